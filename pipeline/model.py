@@ -1,0 +1,205 @@
+"""The llama-shape model: a config dataclass and one nn.Module per block (after litgpt/nanoGPT).
+
+Q/K weights use GGUF's row order: RoPE rotates *adjacent* pairs (the original Meta layout, which
+llama.cpp's converter produces), so GGUF tensors map 1:1 onto our parameters in both directions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import ConfigError, problem
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Everything that fixes the model's shape; saved as JSON beside the weights."""
+
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    context_length: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    donor_dim: int = 0  # >0: embedding table is donor-width, projected by a trainable lens
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                problem("model config", f"keys among {sorted(known)}", f"unknown keys {unknown}", "re-run realize")
+            )
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: Path) -> LlamaConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the autocast dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim/2), in fp32."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x0,x1),(x2,x3)...; x is (B, H, T, D)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE, through scaled_dot_product_attention."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * hd, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.wq(x).view(b, t, self.cfg.n_head, hd).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = self.cfg.n_head // self.cfg.n_kv_head
+        if groups > 1:  # query head h reads kv head h // groups, as llama.cpp does
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Token embedding (optionally donor-width + lens), blocks, final norm, (tied) head."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        emb_dim = cfg.donor_dim or cfg.d_model
+        self.tok_embd = nn.Embedding(cfg.vocab_size, emb_dim)
+        self.lens = nn.Linear(cfg.donor_dim, cfg.d_model, bias=False) if cfg.donor_dim else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embedding_table(self) -> torch.Tensor:
+        """The (vocab, d_model) table the model actually uses: the lens folded in when present."""
+        if self.lens is None:
+            return self.tok_embd.weight
+        return self.lens(self.tok_embd.weight)
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d_model)."""
+        t = idx.shape[1]
+        if t > self.cfg.context_length:
+            raise ValueError(f"sequence of {t} tokens exceeds context_length {self.cfg.context_length}")
+        if self.lens is None:
+            x = self.tok_embd(idx)
+        else:
+            x = self.lens(self.tok_embd(idx))
+        cos, sin = rope_tables(self.cfg, t, idx.device)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding_table() if self.head is None else self.head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab)."""
+        return F.linear(self.hidden(idx), self.head_weight())
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, computed in fp32."""
+        logits = self.forward(idx)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def init_weights(model: Llama, std: float, generator: torch.Generator) -> None:
+    """GPT-2 style init: N(0, std), residual projections scaled by 1/sqrt(2*n_layer), norms 1."""
+    resid_std = std / math.sqrt(2 * model.cfg.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("attn.wo.weight", "ffn.down.weight")):
+                p.normal_(0.0, resid_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

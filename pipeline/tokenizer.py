@@ -1,0 +1,427 @@
+"""The tokenizer a GGUF describes, rebuilt with HF `tokenizers` from its `tokenizer.ggml.*` metadata.
+
+A GGUF carries no `tokenizer.json`, only llama.cpp's description of the vocabulary. The model was
+trained (and is run by llama.cpp) with exactly that tokenizer, so we rebuild it to give the ids
+llama.cpp gives: same pre-tokenizer regexes as `llama-vocab.cpp`, same special-token matching,
+same merge order. Nothing is downloaded. Anything this module cannot reproduce faithfully (an
+unknown model type or pre-tokenizer) is a `GGUFError`, never a silent approximation, because a
+tokenizer that is merely close gives wrong ids for some inputs and silently poisons training data.
+
+Known differences from llama.cpp, all in inputs real vocabularies do not produce:
+- SentencePiece (`llama`) vocabularies: llama.cpp merges the adjacent pair whose concatenation has
+  the best score, leftmost on ties; BPE ranks are unique, so two *different* tokens with equal
+  scores merge in list order here. Llama/Mistral scores are distinct, so this does not arise.
+- Two special tokens that overlap in the text: llama.cpp takes the longest special token first
+  anywhere in the text, `tokenizers` the leftmost-longest match.
+- llama.cpp re-labels a few "control-looking" tokens (e.g. `<|im_end|>` typed NORMAL) as CONTROL
+  by their text; we trust the file's token types.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.errors import GGUFError, problem
+from pipeline.gguf_io import GGUFFile
+
+# llama.cpp token types (gguf.TokenType / LLAMA_TOKEN_TYPE_*).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+# Pre-tokenizer regexes, verbatim from llama.cpp's src/llama-vocab.cpp (llm_tokenizer_bpe). Each
+# list is applied in order, every regex splitting the pieces the previous one left ("isolated":
+# matches and the text between them both become pieces), then the pieces are byte-level encoded.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+class _Pre:
+    """One llama.cpp pre-tokenizer type: its regexes and the flags llama.cpp sets with it."""
+
+    def __init__(self, regexes: tuple[str, ...], ignore_merges: bool = False, add_bos: bool = False):
+        self.regexes = regexes
+        self.ignore_merges = ignore_merges  # whole pre-token looked up in the vocab before merging
+        self.add_bos = add_bos  # llama.cpp's default for tokenizer.ggml.add_bos_token
+
+
+_PRE_DEFAULT = _Pre(_DEFAULT_RES)
+_PRE_GPT2 = _Pre((_GPT2_RE,))
+_PRE_LLAMA3 = _Pre((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
+_PRE_LLAMA3_MERGING = _Pre((_LLAMA3_RE,))
+_PRE_DIGITS_GPT2 = _Pre((r"\p{N}", _GPT2_RE))
+_PRE_QWEN2 = _Pre((_QWEN2_RE,))
+
+# `tokenizer.ggml.pre` values, spelled as llama.cpp spells them (plus `gpt2`, an alias of `gpt-2`).
+PRE_TOKENIZERS: dict[str, _Pre] = {
+    "default": _PRE_DEFAULT,
+    "gpt-2": _PRE_GPT2,
+    "gpt2": _PRE_GPT2,
+    "phi-2": _PRE_GPT2,
+    "roberta-bpe": _PRE_GPT2,
+    "mpt": _PRE_GPT2,
+    "olmo": _PRE_GPT2,
+    "llama3": _PRE_LLAMA3,
+    "llama-v3": _PRE_LLAMA3,
+    "llama-bpe": _PRE_LLAMA3,
+    "falcon3": _PRE_LLAMA3,
+    "dbrx": _PRE_LLAMA3_MERGING,
+    "smaug-bpe": _PRE_LLAMA3_MERGING,
+    "smollm": _PRE_DIGITS_GPT2,
+    "starcoder": _PRE_DIGITS_GPT2,
+    "refact": _PRE_DIGITS_GPT2,
+    "codeshell": _PRE_DIGITS_GPT2,
+    "qwen2": _PRE_QWEN2,
+    "deepseek-r1-qwen": _PRE_QWEN2,
+    "stablelm2": _PRE_QWEN2,
+    "megrez": _PRE_QWEN2,
+}
+
+_SPACE_MARK = "\u2581"  # SentencePiece's visible space
+
+
+class GGUFTokenizer:
+    """Encode/decode exactly as llama.cpp does for the GGUF's vocabulary.
+
+    `encode` recognises special tokens written in the text (llama.cpp `tokenize(special=True)`),
+    because chat templates and packed corpora contain them as text; it never adds BOS/EOS, so the
+    caller decides (see `add_bos`/`add_eos` for what the model expects). `decode` drops CONTROL and
+    UNKNOWN tokens like llama.cpp's `detokenize(special=False)`, unless `skip_special=False`.
+    """
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    model_type: str
+    pre: str | None
+
+    def __init__(self, metadata: Mapping[str, Any], source: str = "GGUF metadata"):
+        """Build from GGUF metadata (key -> plain value); `source` names the file in errors."""
+        from tokenizers import Tokenizer
+
+        self._source = source
+        model_type = metadata.get("tokenizer.ggml.model")
+        if model_type not in SUPPORTED_MODELS:
+            raise GGUFError(
+                problem(
+                    f"{source} tokenizer.ggml.model",
+                    f"one of {', '.join(SUPPORTED_MODELS)}",
+                    repr(model_type) if model_type is not None else "the key is missing",
+                    "use a GGUF with a byte-level BPE (gpt2) or SentencePiece (llama) vocabulary",
+                )
+            )
+        self.model_type = str(model_type)
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise GGUFError(
+                problem(
+                    f"{source} tokenizer.ggml.tokens",
+                    "the vocabulary as a non-empty list of strings",
+                    "it is missing" if tokens is None else f"{tokens!r}"[:60],
+                    "use a GGUF exported with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)",
+                )
+            )
+        # llama.cpp renames empty tokens so every id keeps a distinct text.
+        self._tokens: list[str] = [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.vocab_size = len(self._tokens)
+        self._types: list[int] = self._token_types(metadata)
+        self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._tokens)}  # later wins, as llama.cpp
+
+        if self.model_type == "gpt2":
+            pre_name = metadata.get("tokenizer.ggml.pre")
+            if pre_name is None or pre_name == "":
+                warnings.warn(
+                    f"{source}: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer "
+                    "(llama.cpp warns that generation quality will be degraded)",
+                    stacklevel=2,
+                )
+                pre_name = "default"
+            if pre_name not in PRE_TOKENIZERS:
+                raise GGUFError(
+                    problem(
+                        f"{source} tokenizer.ggml.pre",
+                        f"a supported pre-tokenizer ({', '.join(sorted(PRE_TOKENIZERS))})",
+                        repr(pre_name),
+                        "add its llama.cpp regexes to pipeline/tokenizer.py PRE_TOKENIZERS, or use another GGUF",
+                    )
+                )
+            self.pre = str(pre_name)
+            pre = PRE_TOKENIZERS[self.pre]
+            self._merges: list[str] | None = self._string_list(metadata, "tokenizer.ggml.merges")
+            self._scores: list[float] | None = None
+            defaults: tuple[int | None, int | None, int | None] = (None, None, None)
+            default_add_bos = pre.add_bos
+            self.add_space_prefix = False  # llama.cpp's BPE tokenizer never prefixes a space
+        else:
+            pre = None
+            self.pre = metadata.get("tokenizer.ggml.pre")
+            self._merges = None
+            self._scores = self._float_list(metadata, "tokenizer.ggml.scores")
+            defaults = (1, 2, 0)  # llama.cpp's SentencePiece bos/eos/unk defaults
+            default_add_bos = True
+            self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+
+        self.bos_id = self._special_id(metadata, "tokenizer.ggml.bos_token_id", defaults[0])
+        self.eos_id = self._special_id(metadata, "tokenizer.ggml.eos_token_id", defaults[1])
+        self.unk_id = self._special_id(metadata, "tokenizer.ggml.unknown_token_id", defaults[2])
+        self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
+        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
+        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+
+        tokenizer = self._build_byte_level_bpe(pre) if pre is not None else self._build_sentencepiece_bpe()
+        self._add_special_tokens(tokenizer)
+        self._tok: Tokenizer = tokenizer
+        self._fingerprint: str | None = None
+
+    # ----- public API -----
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in it become their ids; no BOS/EOS added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` over many texts in parallel (Rust threads); same ids as `encode`."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: tokenizers>=0.21
+        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """Text of `ids`; CONTROL/UNKNOWN tokens are dropped unless `skip_special=False`."""
+        for i in ids:
+            if not 0 <= int(i) < self.vocab_size:
+                raise GGUFError(
+                    problem(
+                        f"{self._source} decode",
+                        f"token ids in [0, {self.vocab_size})",
+                        f"id {i}",
+                        "decode ids produced by this tokenizer / model",
+                    )
+                )
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, tok: str) -> int | None:
+        """Id of a token spelled as in the GGUF vocabulary (e.g. `<|im_end|>`, `Ġthe`), else None."""
+        return self._token_to_id.get(tok)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The GGUF vocabulary spelling of `token_id`."""
+        return self._tokens[token_id]
+
+    def fingerprint(self) -> str:
+        """sha256 identifying the tokenizer: equal fingerprints mean identical ids for any text.
+
+        Covers everything that changes ids or their meaning (model type, pre-tokenizer, tokens,
+        token types, merges or scores, special ids and flags) and nothing else (not the chat
+        template), so a model exported with copied tokenizer metadata matches its donor.
+        """
+        if self._fingerprint is None:
+            payload = {
+                "model": self.model_type,
+                "pre": self.pre,
+                "tokens": self._tokens,
+                "token_type": self._types,
+                "merges": self._merges,
+                "scores": self._scores,
+                "bos": self.bos_id,
+                "eos": self.eos_id,
+                "unk": self.unk_id,
+                "pad": self.pad_id,
+                "add_bos": self.add_bos,
+                "add_eos": self.add_eos,
+                "add_space_prefix": self.add_space_prefix,
+            }
+            blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=True)
+            self._fingerprint = hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFTokenizer(model={self.model_type!r}, pre={self.pre!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})"
+        )
+
+    # ----- construction -----
+
+    def _token_types(self, metadata: Mapping[str, Any]) -> list[int]:
+        types = metadata.get("tokenizer.ggml.token_type")
+        if types is None:
+            return [TOKEN_NORMAL] * self.vocab_size  # llama.cpp: every token NORMAL
+        if not isinstance(types, list) or len(types) != self.vocab_size:
+            raise GGUFError(
+                problem(
+                    f"{self._source} tokenizer.ggml.token_type",
+                    f"one type per token ({self.vocab_size})",
+                    f"{len(types) if isinstance(types, list) else type(types).__name__} entries",
+                    "re-export the GGUF",
+                )
+            )
+        return [int(t) for t in types]
+
+    def _string_list(self, metadata: Mapping[str, Any], key: str) -> list[str]:
+        value = metadata.get(key)
+        if not isinstance(value, list):
+            raise GGUFError(
+                problem(
+                    f"{self._source} {key}",
+                    f"a list of strings (required for tokenizer.ggml.model={self.model_type})",
+                    "it is missing" if value is None else type(value).__name__,
+                    "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
+                )
+            )
+        return [str(v) for v in value]
+
+    def _float_list(self, metadata: Mapping[str, Any], key: str) -> list[float]:
+        value = metadata.get(key)
+        if not isinstance(value, list) or len(value) != self.vocab_size:
+            raise GGUFError(
+                problem(
+                    f"{self._source} {key}",
+                    f"one score per token ({self.vocab_size}); they fix the SentencePiece merge order",
+                    "it is missing" if value is None else f"{len(value) if isinstance(value, list) else value!r}",
+                    "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
+                )
+            )
+        return [float(v) for v in value]
+
+    def _special_id(self, metadata: Mapping[str, Any], key: str, default: int | None) -> int | None:
+        value = metadata.get(key)
+        if value is None:
+            return default if default is not None and default < self.vocab_size else None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+            raise GGUFError(
+                problem(
+                    f"{self._source} {key}",
+                    f"a token id in [0, {self.vocab_size})",
+                    repr(value),
+                    "fix the special token ids in the GGUF metadata",
+                )
+            )
+        return value
+
+    def _model_vocab(self) -> dict[str, int]:
+        """token -> id with every id present: for duplicated texts the last id keeps the text (as
+        llama.cpp's lookup does) and earlier ids get an unmatchable placeholder, so ids never shift."""
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(self._tokens):
+            if self._token_to_id[tok] == i:
+                vocab[tok] = i
+            else:
+                vocab[f"\u0000dup{i}\u0000{tok}"] = i
+        return vocab
+
+    def _build_byte_level_bpe(self, pre: _Pre):
+        """Byte-level BPE (`gpt2`): llama.cpp's split regexes, then GPT-2's byte-to-unicode map."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = self._model_vocab()
+        merges: list[tuple[str, str]] = []
+        assert self._merges is not None
+        for m in self._merges:
+            pos = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
+            if pos < 0:
+                continue
+            a, b = m[:pos], m[pos + 1 :]
+            # A merge whose parts or result are not tokens can never yield a valid id; the
+            # `tokenizers` BPE rejects them, llama.cpp stores but never usefully applies them.
+            if a in vocab and b in vocab and a + b in vocab:
+                merges.append((a, b))
+        model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
+        tokenizer = Tokenizer(model)
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    def _build_sentencepiece_bpe(self):
+        """SentencePiece BPE (`llama`): merges recovered from the scores, byte fallback, `▁` spaces.
+
+        llama.cpp merges the adjacent pair whose concatenation is the best-scoring token; a BPE
+        whose merges producing token t are ranked by t's score (best first) does the same.
+        """
+        from tokenizers import Tokenizer, decoders, models, normalizers
+
+        vocab = self._model_vocab()
+        assert self._scores is not None
+        ranked: list[tuple[float, int, int, str, str]] = []
+        for tok, i in vocab.items():
+            for cut in range(1, len(tok)):
+                left, right = tok[:cut], tok[cut:]
+                if left in vocab and right in vocab:
+                    ranked.append((-self._scores[i], i, cut, left, right))
+        ranked.sort()
+        merges = [(left, right) for _, _, _, left, right in ranked]
+        unk = self._tokens[self.unk_id] if self.unk_id is not None else None
+        model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+        tokenizer = Tokenizer(model)
+        # llama.cpp: a space before every run of text that starts the input or follows a special
+        # token (add_space_prefix), and every " " spelled "▁". Normalizers run per such run.
+        steps = [normalizers.Replace(" ", _SPACE_MARK)]
+        if self.add_space_prefix:
+            steps.insert(0, normalizers.Prepend(_SPACE_MARK))
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        dec = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if self.add_space_prefix:
+            dec.append(decoders.Strip(" ", 1, 0))
+        tokenizer.decoder = decoders.Sequence(dec)
+        return tokenizer
+
+    def _add_special_tokens(self, tokenizer) -> None:
+        """Tokens llama.cpp matches whole in raw text before splitting: CONTROL, UNKNOWN (special,
+        dropped by decode) and USER_DEFINED (kept by decode). They keep their vocabulary ids."""
+        from tokenizers import AddedToken
+
+        special, user = [], []
+        for i, (tok, typ) in enumerate(zip(self._tokens, self._types, strict=True)):
+            if self._token_to_id[tok] != i:
+                continue
+            if typ in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+                special.append(AddedToken(tok, special=True, normalized=False))
+            elif typ == TOKEN_USER_DEFINED:
+                user.append(AddedToken(tok, special=False, normalized=False))
+        if special:
+            tokenizer.add_special_tokens(special)
+        if user:
+            tokenizer.add_tokens(user)
+        if tokenizer.get_vocab_size(with_added_tokens=True) != self.vocab_size:
+            raise GGUFError(
+                problem(
+                    f"{self._source} tokenizer.ggml.tokens",
+                    f"{self.vocab_size} ids after adding special tokens",
+                    f"{tokenizer.get_vocab_size(with_added_tokens=True)}",
+                    "report this GGUF: its special tokens could not be mapped to their ids",
+                )
+            )
+
+
+def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
+    """The tokenizer of an opened GGUF (its `tokenizer.ggml.*` metadata)."""
+    return GGUFTokenizer(gguf.metadata, source=str(gguf.path))
+
+
+def tokenizer_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    """All `tokenizer.*` keys, verbatim (lists copied), for writing into an exported GGUF so the
+    export tokenizes exactly like its donor."""
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in gguf.metadata.items() if k.startswith("tokenizer.")}

@@ -1,0 +1,1 @@
+"""Thin Hydra entry points, one per DVC stage: `python -m stages.<name> key=value ...`."""

@@ -1,0 +1,40 @@
+"""donor: read the donor GGUF's embedding table and PCA it down to model.d_model."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.atomic import write_text
+from pipeline.donor import run_donor
+from pipeline.gguf_io import resolve_gguf_path
+from pipeline.pack import load_meta
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+
+
+def body(ctx: StageContext) -> dict[str, float]:
+    donor = resolve_gguf_path(ctx.cfg.donor.path)
+    meta = load_meta(ctx.paths.packed)
+    ctx.add_input("donor", donor)
+    result, metrics = run_donor(
+        donor, meta.vocab_size, ctx.paths.packed / "meta.json", ctx.cfg.model.d_model, ctx.cfg.recipe.init, ctx.out_dir
+    )
+    ratios = result.explained_variance_ratio
+    rows = ["component\texplained_variance_ratio\tcumulative"]
+    total = 0.0
+    for i, r in enumerate(ratios):
+        total += float(r)
+        rows.append(f"{i + 1}\t{float(r):.6g}\t{total:.6g}")
+    plot = write_text(ctx.plots_dir / "explained_variance.tsv", "\n".join(rows) + "\n")
+    ctx.artifact(plot)
+    print(f"donor: {int(metrics['components'])} components explain {metrics['explained_variance_total']:.3f} of the variance")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+def main(cfg: DictConfig) -> None:
+    run_stage("donor", cfg, body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""evaluate: load the exported GGUF back, compute val perplexity, write samples."""
+
+from __future__ import annotations
+
+import json
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.atomic import atomic_dir
+from pipeline.evaluate import run_evaluate
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+
+
+def body(ctx: StageContext) -> dict[str, float]:
+    cfg = ctx.cfg
+    gguf_path = ctx.paths.export / "model.gguf"
+    ctx.add_input("gguf", gguf_path)
+    state_path = ctx.paths.train / "train_state.json"
+    trained = json.loads(state_path.read_text())["final_val_loss"] if state_path.exists() else None
+    metrics, samples = run_evaluate(
+        gguf_path, ctx.paths.packed, cfg.train.seq_len, cfg.train.batch_size, cfg.evaluate, trained,
+        cfg.export.dtype, cfg.train.device,
+    )
+    with atomic_dir(ctx.out_dir) as tmp:
+        (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
+    ctx.artifact(ctx.out_dir / "samples.json")
+    print(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
+    for s in samples:
+        print(f"  {s['prompt']!r} -> {s['greedy']!r}")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+def main(cfg: DictConfig) -> None:
+    run_stage("evaluate", cfg, body)
+
+
+if __name__ == "__main__":
+    main()

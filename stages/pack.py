@@ -1,0 +1,33 @@
+"""pack: tokenize the corpus with the donor's tokenizer into memmapped train/val ids."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.gguf_io import resolve_gguf_path
+from pipeline.pack import run_pack
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+
+
+def body(ctx: StageContext) -> dict[str, float]:
+    donor = resolve_gguf_path(ctx.cfg.donor.path)
+    ctx.add_input("donor", donor)
+    meta, metrics = run_pack(ctx.cfg.data, donor, ctx.out_dir)
+    if ctx.run is not None:
+        ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
+    ctx.artifact(ctx.out_dir / "meta.json")
+    print(
+        f"pack: {int(metrics['documents'])} documents, {int(metrics['tokens'])} tokens "
+        f"(train {meta.tokens['train']}, val {meta.tokens['val']}) -> {ctx.out_dir}"
+    )
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+def main(cfg: DictConfig) -> None:
+    run_stage("pack", cfg, body)
+
+
+if __name__ == "__main__":
+    main()
