@@ -21,6 +21,7 @@ repro: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
 test: setup
+	$(VENV)/bin/ruff check pipeline stages tests
 	$(PY) -m pytest -q
 
 lint: setup

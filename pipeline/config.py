@@ -193,9 +193,7 @@ class ExportConfig:
 class EvaluateConfig:
     """Samples written after evaluation, for fixed prompts."""
 
-    prompts: list[str] = field(
-        default_factory=lambda: ["The for statement", "A function definition", "Exceptions are"]
-    )
+    prompts: list[str] = field(default_factory=lambda: ["The for statement", "A function definition", "Exceptions are"])
     max_new_tokens: int = 40
     temperature: float = 0.8
     top_k: int = 40

@@ -96,7 +96,12 @@ def config_from_gguf(g: GGUFFile) -> LlamaConfig:
     rope_dims = int(g.metadata.get("llama.rope.dimension_count", d_model // n_head))
     if rope_dims != d_model // n_head:
         raise GGUFError(
-            problem(str(g.path), f"llama.rope.dimension_count = head size {d_model // n_head}", rope_dims, "partial RoPE is not supported")
+            problem(
+                str(g.path),
+                f"llama.rope.dimension_count = head size {d_model // n_head}",
+                rope_dims,
+                "partial RoPE is not supported",
+            )
         )
     return LlamaConfig(
         vocab_size=rows,
@@ -142,7 +147,9 @@ def donor_tokenizer_metadata(donor: GGUFFile) -> dict[str, Any]:
     return {k: donor.typed_field(k) for k in donor.metadata if k.startswith("tokenizer.")}
 
 
-def run_export(train_dir: Path, donor_path: Path, out_path: Path, dtype: str, provenance: dict[str, Any]) -> dict[str, float]:
+def run_export(
+    train_dir: Path, donor_path: Path, out_path: Path, dtype: str, provenance: dict[str, Any]
+) -> dict[str, float]:
     """The export stage: trained weights + donor tokenizer -> a llama.cpp-loadable GGUF."""
     from pipeline.realize import load_model
 

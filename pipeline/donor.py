@@ -57,7 +57,9 @@ def read_donor_embeddings(path: Path) -> DonorEmbeddings:
     width = int(g.arch_key("embedding_length"))
     if not g.has_tensor(EMBEDDING_TENSOR):
         raise GGUFError(
-            problem(str(path), f"a tensor named {EMBEDDING_TENSOR}", "no such tensor", "use a GGUF with token embeddings")
+            problem(
+                str(path), f"a tensor named {EMBEDDING_TENSOR}", "no such tensor", "use a GGUF with token embeddings"
+            )
         )
     info = g.tensor_info(EMBEDDING_TENSOR)
     if len(info.shape) != 2 or info.shape[1] != width:
@@ -116,7 +118,9 @@ def pca(table: np.ndarray, k: int) -> PCAResult:
     )
 
 
-def run_donor(donor_path: Path, packed_vocab: int, packed_meta: Path, d_model: int, init: str, out_dir: Path) -> tuple[PCAResult, dict[str, float]]:
+def run_donor(
+    donor_path: Path, packed_vocab: int, packed_meta: Path, d_model: int, init: str, out_dir: Path
+) -> tuple[PCAResult, dict[str, float]]:
     """The donor stage: read, check against the packed data and the model width, PCA, save."""
     import json
 

@@ -92,9 +92,7 @@ class GGUFFile:
     def require(self, key: str) -> Any:
         """A metadata value that must be present."""
         if key not in self.metadata:
-            raise GGUFError(
-                problem(str(self.path), f"metadata key {key}", "it is missing", "use a complete GGUF")
-            )
+            raise GGUFError(problem(str(self.path), f"metadata key {key}", "it is missing", "use a complete GGUF"))
         return self.metadata[key]
 
     def arch_key(self, suffix: str) -> Any:

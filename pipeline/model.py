@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, problem
+from pipeline.losses import linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -183,16 +185,27 @@ class Llama(nn.Module):
         return F.linear(self.hidden(idx), self.head_weight())
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy, computed in fp32."""
-        logits = self.forward(idx)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean next-token cross-entropy (softmax in fp32).
+
+        With gradients on, the head and the softmax run chunked (`linear_cross_entropy`), so the
+        (tokens x vocab) fp32 logits are never materialised; without, the plain path.
+        """
+        h = self.hidden(idx).flatten(0, 1)
+        if torch.is_grad_enabled():
+            return linear_cross_entropy(h, self.head_weight(), targets.flatten())
+        return F.cross_entropy(F.linear(h, self.head_weight()).float(), targets.flatten())
 
 
-def init_weights(model: Llama, std: float, generator: torch.Generator) -> None:
-    """GPT-2 style init: N(0, std), residual projections scaled by 1/sqrt(2*n_layer), norms 1."""
+def init_weights(model: Llama, std: float, seed: int) -> None:
+    """GPT-2 style init: N(0, std), residual projections scaled by 1/sqrt(2*n_layer), norms 1.
+
+    Each parameter draws from its own generator seeded by (seed, name), so a parameter's init
+    does not depend on which other parameters exist (e.g. `lens` and `pca` get the same blocks).
+    """
     resid_std = std / math.sqrt(2 * model.cfg.n_layer)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(("attn.wo.weight", "ffn.down.weight")):

@@ -55,9 +55,8 @@ def realize(
         raise ConfigError(problem("recipe.init=lens", "the donor embedding table", "none", "pass the donor table"))
     donor_dim = lens.components.shape[1] if init == "lens" else 0
     cfg = llama_config(mcfg, vocab_size, donor_dim)
-    generator = torch.Generator().manual_seed(seed)
     model = Llama(cfg)
-    init_weights(model, mcfg.init_std, generator)
+    init_weights(model, mcfg.init_std, seed)
     if init == "pca":
         _init_pca(model, lens, mcfg.init_std)
     elif init == "lens":
@@ -73,7 +72,12 @@ def _init_pca(model: Llama, lens: PCAResult, std: float) -> None:
     rows, k = lens.projected.shape
     if k < model.cfg.d_model:
         raise ConfigError(
-            problem("model.d_model", f"at most the {k} PCA components the donor stage made", model.cfg.d_model, "re-run the donor stage")
+            problem(
+                "model.d_model",
+                f"at most the {k} PCA components the donor stage made",
+                model.cfg.d_model,
+                "re-run the donor stage",
+            )
         )
     _check_rows(model, rows)
     table = lens.projected[:, : model.cfg.d_model]
@@ -99,7 +103,9 @@ def _init_lens(model: Llama, lens: PCAResult, donor_table: np.ndarray, std: floa
 def _check_rows(model: Llama, rows: int) -> None:
     if rows != model.cfg.vocab_size:
         raise ConfigError(
-            problem("donor PCA table", f"{model.cfg.vocab_size} rows (packed vocab)", f"{rows}", "re-run the donor stage")
+            problem(
+                "donor PCA table", f"{model.cfg.vocab_size} rows (packed vocab)", f"{rows}", "re-run the donor stage"
+            )
         )
 
 
@@ -115,13 +121,17 @@ def load_model(model_dir: Path) -> Llama:
     model_dir = Path(model_dir)
     for name in ("config.json", "model.safetensors"):
         if not (model_dir / name).is_file():
-            raise ConfigError(problem(str(model_dir / name), "a saved model file", "no such file", "run the stage that writes it"))
+            raise ConfigError(
+                problem(str(model_dir / name), "a saved model file", "no such file", "run the stage that writes it")
+            )
     model = Llama(LlamaConfig.load(model_dir / "config.json"))
     model.load_state_dict(load_file(str(model_dir / "model.safetensors")), strict=True)
     return model
 
 
-def run_realize(mcfg: ModelConfig, init: str, seed: int, packed_dir: Path, donor_dir: Path, out_dir: Path) -> dict[str, float]:
+def run_realize(
+    mcfg: ModelConfig, init: str, seed: int, packed_dir: Path, donor_dir: Path, out_dir: Path
+) -> dict[str, float]:
     """The realize stage: vocab from the packed data, donor PCA (and table for lens), save."""
     import json
 

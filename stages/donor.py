@@ -27,7 +27,8 @@ def body(ctx: StageContext) -> dict[str, float]:
         rows.append(f"{i + 1}\t{float(r):.6g}\t{total:.6g}")
     plot = write_text(ctx.plots_dir / "explained_variance.tsv", "\n".join(rows) + "\n")
     ctx.artifact(plot)
-    print(f"donor: {int(metrics['components'])} components explain {metrics['explained_variance_total']:.3f} of the variance")
+    explained = metrics["explained_variance_total"]
+    print(f"donor: {int(metrics['components'])} components explain {explained:.3f} of the variance")
     return metrics
 
 

@@ -19,8 +19,14 @@ def body(ctx: StageContext) -> dict[str, float]:
     state_path = ctx.paths.train / "train_state.json"
     trained = json.loads(state_path.read_text())["final_val_loss"] if state_path.exists() else None
     metrics, samples = run_evaluate(
-        gguf_path, ctx.paths.packed, cfg.train.seq_len, cfg.train.batch_size, cfg.evaluate, trained,
-        cfg.export.dtype, cfg.train.device,
+        gguf_path,
+        ctx.paths.packed,
+        cfg.train.seq_len,
+        cfg.train.batch_size,
+        cfg.evaluate,
+        trained,
+        cfg.export.dtype,
+        cfg.train.device,
     )
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")

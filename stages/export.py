@@ -16,7 +16,9 @@ def body(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.cfg
     train_dir = ctx.paths.train
     ctx.add_input("weights", train_dir / "model.safetensors")
-    state = json.loads((train_dir / "train_state.json").read_text()) if (train_dir / "train_state.json").exists() else {}
+    state = (
+        json.loads((train_dir / "train_state.json").read_text()) if (train_dir / "train_state.json").exists() else {}
+    )
     provenance = {
         "general.name": cfg.export.name,
         "general.description": f"recipe={cfg.recipe.name} init={cfg.recipe.init}, trained by smollm-pipeline",

@@ -18,7 +18,9 @@ def body(ctx: StageContext) -> dict[str, float]:
         cfg.train, cfg.optim, cfg.seed, ctx.paths.init, ctx.paths.packed, ctx.out_dir, ctx.log, ctx.run_id
     )
     train_rows = ["step\ttrain_loss"] + [f"{int(h['step'])}\t{h['train_loss']:.6f}" for h in result.history]
-    val_rows = ["step\tval_loss"] + [f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h]
+    val_rows = ["step\tval_loss"] + [
+        f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h
+    ]
     write_text(ctx.plots_dir / "train_loss.tsv", "\n".join(train_rows) + "\n")
     write_text(ctx.plots_dir / "val_loss.tsv", "\n".join(val_rows) + "\n")
     ctx.artifact(ctx.plots_dir / "train_loss.tsv")

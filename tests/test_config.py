@@ -1,0 +1,78 @@
+"""Structured-config schemas reject bad values at start, naming the key; params.yaml is the composition."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from pipeline.config import PipelineConfig
+from pipeline.errors import ConfigError
+from stages.common import typed_config
+from stages.compose import compose_config
+from tests.conftest import ROOT
+
+
+def test_default_composition_is_valid() -> None:
+    cfg = typed_config(compose_config())
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.recipe.init == "pca" and cfg.recipe.name == "warm-start"
+
+
+def test_params_yaml_equals_fresh_composition() -> None:
+    on_disk = yaml.safe_load((ROOT / "params.yaml").read_text())
+    fresh = OmegaConf.to_container(compose_config(), resolve=True)
+    assert on_disk == fresh, "params.yaml is stale: run `make params`"
+
+
+def test_conf_spells_out_every_schema_key() -> None:
+    """DVC composes conf/ without our schema, so conf/ must hold every key params.yaml needs."""
+    composed = OmegaConf.to_container(compose_config(), resolve=True)
+    with_schema = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(PipelineConfig), composed))
+    assert composed == with_schema
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model.n_head=7"], "model.n_head"),
+        (["model.n_kv_head=4"], "model.n_kv_head"),
+        (["optim.lr=0"], "optim.lr"),
+        (["optim.lr=-0.1"], "optim.lr"),
+        (["train.precision=fp8"], "train.precision"),
+        (["recipe.init=magic"], "recipe.init"),
+        (["model.d_model=abc"], "model.d_model"),
+        (["train.grad_accum=0"], "train.grad_accum"),
+        (["export.dtype=q3"], "export.dtype"),
+        (["train.seq_len=512"], "train.seq_len"),
+        (["data=jsonl"], "data.path"),
+        (["+model.unknown_key=1"], "model.unknown_key"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        typed_config(compose_config(overrides))
+    message = str(err.value)
+    assert key in message and "\n" not in message
+
+
+def test_recipes_select_the_init() -> None:
+    assert typed_config(compose_config(["recipe=from-scratch"])).recipe.init == "scratch"
+    assert typed_config(compose_config(["recipe=pca-lens"])).recipe.init == "lens"
+
+
+def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.train", "optim.lr=-1", "tracking.enabled=false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("error: config key optim.lr")
+    assert "Traceback" not in proc.stderr

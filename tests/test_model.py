@@ -1,0 +1,118 @@
+"""Realize is deterministic, warm-start inits carry the donor, and exports load back exactly
+(through our reader and through transformers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ModelConfig
+from pipeline.convert import donor_tokenizer_metadata, export_llama, load_llama
+from pipeline.donor import pca
+from pipeline.gguf_io import GGUFFile
+from pipeline.realize import load_model, realize, save_model
+
+TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def donor_lens(smollm2: GGUFFile):
+    table = smollm2.tensor("token_embd.weight")
+    return pca(table, 64), table
+
+
+def ids(n: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_realize_is_deterministic_from_seed() -> None:
+    a, b, c = (realize(TINY, "scratch", VOCAB, s) for s in (1, 1, 2))
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.tok_embd.weight, c.tok_embd.weight)
+
+
+def test_pca_init_uses_projected_donor_rows(donor_lens) -> None:
+    lens, _ = donor_lens
+    m = realize(TINY, "pca", VOCAB, 0, lens)
+    table = m.tok_embd.weight.detach().numpy()
+    expected = lens.projected[:, :32]
+    scale = table[:, 0] @ expected[:, 0] / (expected[:, 0] @ expected[:, 0])
+    np.testing.assert_allclose(table, expected * scale, rtol=1e-5, atol=1e-7)
+    assert abs(table.std() - TINY.init_std) < 1e-4
+
+
+def test_lens_init_equals_pca_init_at_step_zero(donor_lens) -> None:
+    lens, table = donor_lens
+    p = realize(TINY, "pca", VOCAB, 0, lens)
+    q = realize(TINY, "lens", VOCAB, 0, lens, table)
+    assert q.cfg.donor_dim == 576 and q.tok_embd.weight.shape == (VOCAB, 576)
+    with torch.no_grad():
+        torch.testing.assert_close(q.embedding_table(), p.tok_embd.weight, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(q(ids()), p(ids()), atol=1e-4, rtol=1e-4)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    m = realize(TINY, "scratch", VOCAB, 3)
+    save_model(m, tmp_path)
+    n = load_model(tmp_path)
+    assert n.cfg == m.cfg
+    with torch.no_grad():
+        assert torch.equal(m(ids()), n(ids()))
+
+
+def trained_like(init: str, donor_lens, seed: int = 5):
+    """A model with non-trivial weights (norms and lens not at their init values)."""
+    lens, table = donor_lens
+    m = realize(TINY, init, VOCAB, seed, lens, table)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.mark.parametrize("init", ["pca", "lens"])
+def test_f32_export_reloads_exactly(tmp_path: Path, smollm2: GGUFFile, donor_lens, init: str) -> None:
+    m = trained_like(init, donor_lens)
+    path = export_llama(m, tmp_path / "m.gguf", donor_tokenizer_metadata(smollm2), {"general.name": "t"}, "f32")
+    back, g = load_llama(path)
+    assert back.cfg.donor_dim == 0 and back.cfg.d_model == 32
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids()), m(ids()), atol=2e-5, rtol=1e-5)
+    # complete tokenizer metadata, copied with the donor's values
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        assert g.metadata[key] == smollm2.metadata[key]
+    assert g.metadata["general.file_type"] == 0 and g.metadata["llama.rope.dimension_count"] == 8
+
+
+def test_f16_export_is_close(tmp_path: Path, smollm2: GGUFFile, donor_lens) -> None:
+    m = trained_like("pca", donor_lens)
+    path = export_llama(m, tmp_path / "h.gguf", donor_tokenizer_metadata(smollm2), {}, "f16")
+    back, g = load_llama(path)
+    assert g.tensor_info("blk.0.attn_q.weight").ggml_type == "F16"
+    assert g.tensor_info("blk.0.attn_norm.weight").ggml_type == "F32"
+    with torch.no_grad():
+        lp_a = torch.log_softmax(back(ids()), -1)
+        lp_b = torch.log_softmax(m(ids()), -1)
+    assert (lp_a - lp_b).abs().max() < 1e-2
+
+
+def test_export_loads_in_transformers_with_equal_logprobs(tmp_path: Path, smollm2: GGUFFile, donor_lens) -> None:
+    transformers = pytest.importorskip("transformers")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    m = trained_like("lens", donor_lens)
+    export_llama(m, tmp_path / "model.gguf", donor_tokenizer_metadata(smollm2), {"general.name": "t"}, "f32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32)
+    hf.eval()
+    x = ids(32)
+    with torch.no_grad():
+        ours = torch.log_softmax(m(x).double(), -1)
+        theirs = torch.log_softmax(hf(x).logits.double(), -1)
+    assert (ours - theirs).abs().max().item() <= 1e-3
