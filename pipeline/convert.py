@@ -14,7 +14,7 @@ import torch
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf_io import GGUFFile, write_gguf
-from pipeline.model import Llama, LlamaConfig
+from pipeline.model import Llama, TransformerConfig
 
 # our parameter name (per block, after "blocks.{i}.") -> GGUF name (after "blk.{i}.")
 BLOCK_TENSORS = {
@@ -45,7 +45,7 @@ def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
     return out
 
 
-def llama_metadata(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
+def llama_metadata(cfg: TransformerConfig, dtype: str) -> dict[str, Any]:
     """The `llama.*` keys llama.cpp and transformers need to rebuild the model."""
     return {
         "llama.context_length": cfg.context_length,
@@ -75,7 +75,7 @@ def export_llama(
     return write_gguf(path, "llama", metadata, gguf_tensors(model), dtype=dtype)
 
 
-def config_from_gguf(g: GGUFFile) -> LlamaConfig:
+def config_from_gguf(g: GGUFFile) -> TransformerConfig:
     """Rebuild our config from `llama.*` keys, checking what we do not support."""
     if g.architecture != "llama":
         raise GGUFError(
@@ -103,7 +103,7 @@ def config_from_gguf(g: GGUFFile) -> LlamaConfig:
                 "partial RoPE is not supported",
             )
         )
-    return LlamaConfig(
+    return TransformerConfig(
         vocab_size=rows,
         d_model=d_model,
         n_layer=int(g.arch_key("block_count")),
@@ -117,9 +117,9 @@ def config_from_gguf(g: GGUFFile) -> LlamaConfig:
     )
 
 
-def load_llama(path: Path) -> tuple[Llama, GGUFFile]:
+def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:
     """A whole llama GGUF as our fp32 module (dequantizing every tensor), plus the open file."""
-    g = GGUFFile(path)
+    g = source if isinstance(source, GGUFFile) else GGUFFile(source)
     cfg = config_from_gguf(g)
     model = Llama(cfg)
     state = {}
@@ -151,6 +151,7 @@ def run_export(
     train_dir: Path, donor_path: Path, out_path: Path, dtype: str, provenance: dict[str, Any]
 ) -> dict[str, float]:
     """The export stage: trained weights + donor tokenizer -> a llama.cpp-loadable GGUF."""
+    from pipeline.architectures import export_gguf
     from pipeline.realize import load_model
 
     model = load_model(train_dir)
@@ -165,5 +166,5 @@ def run_export(
                 "export with the donor the model was packed with",
             )
         )
-    path = export_llama(model, out_path, tok_meta, provenance, dtype)
+    path = export_gguf(model, out_path, tok_meta, provenance, dtype)
     return {"file_bytes": float(path.stat().st_size), "tensors": float(len(gguf_tensors(model)))}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from pipeline.architectures import load_gguf
 from pipeline.config import EvaluateConfig
-from pipeline.convert import load_llama
 from pipeline.errors import PipelineError
 from pipeline.generate import generate_ids
 from pipeline.pack import load_split
@@ -28,7 +28,7 @@ def run_evaluate(
     device: str = "auto",
 ) -> tuple[dict[str, float], list[dict[str, str]]]:
     """Val loss/perplexity of the GGUF and samples (greedy and temperature/top-k) per prompt."""
-    model, g = load_llama(gguf_path)
+    model, g = load_gguf(gguf_path)
     tok = tokenizer_from_gguf(g)
     dev = pick_device(device)
     model.to(dev)

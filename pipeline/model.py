@@ -21,8 +21,12 @@ from pipeline.losses import linear_cross_entropy
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Everything that fixes the model's shape; saved as JSON beside the weights."""
+class TransformerConfig:
+    """Everything that fixes the model's shape; saved as JSON beside the weights.
+
+    One dataclass for every architecture (`arch`); fields an architecture does not use (e.g.
+    `n_kv_head` and `rope_theta` for gpt2) are ignored by it.
+    """
 
     vocab_size: int
     d_model: int
@@ -35,6 +39,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     donor_dim: int = 0  # >0: embedding table is donor-width, projected by a trainable lens
+    arch: str = "llama"
 
     @property
     def head_dim(self) -> int:
@@ -44,7 +49,7 @@ class LlamaConfig:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> LlamaConfig:
+    def from_dict(cls, d: dict) -> TransformerConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -54,7 +59,7 @@ class LlamaConfig:
         return cls(**d)
 
     @classmethod
-    def load(cls, path: Path) -> LlamaConfig:
+    def load(cls, path: Path) -> TransformerConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
@@ -72,7 +77,7 @@ class RMSNorm(nn.Module):
         return (out * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(cfg: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (seq_len, head_dim/2), in fp32."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
@@ -92,7 +97,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE, through scaled_dot_product_attention."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
@@ -101,25 +106,59 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
         self.wo = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.wq(x).view(b, t, self.cfg.n_head, hd).transpose(1, 2)
         k = self.wk(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
         v = self.wv(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
         groups = self.cfg.n_head // self.cfg.n_kv_head
         if groups > 1:  # query head h reads kv head h // groups, as llama.cpp does
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(t, k.shape[2], x.device))
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor | None:
+    """None when no mask is needed (one new token); else queries see keys up to their position."""
+    if t_q == 1:
+        return None
+    offset = t_k - t_q
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer: (B, n_kv_head, T, head_dim)."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat((self.k[layer], k), dim=2)
+            v = torch.cat((self.v[layer], v), dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
 
 
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
@@ -132,22 +171,24 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
     """Token embedding (optionally donor-width + lens), blocks, final norm, (tied) head."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
         emb_dim = cfg.donor_dim or cfg.d_model
@@ -163,26 +204,25 @@ class Llama(nn.Module):
             return self.tok_embd.weight
         return self.lens(self.tok_embd.weight)
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states (B, T, d_model)."""
-        t = idx.shape[1]
-        if t > self.cfg.context_length:
-            raise ValueError(f"sequence of {t} tokens exceeds context_length {self.cfg.context_length}")
-        if self.lens is None:
-            x = self.tok_embd(idx)
-        else:
-            x = self.lens(self.tok_embd(idx))
-        cos, sin = rope_tables(self.cfg, t, idx.device)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens."""
+        start = 0 if cache is None else cache.length
+        end = start + idx.shape[1]
+        if end > self.cfg.context_length:
+            raise ValueError(f"sequence of {end} tokens exceeds context_length {self.cfg.context_length}")
+        x = self.tok_embd(idx) if self.lens is None else self.lens(self.tok_embd(idx))
+        cos, sin = rope_tables(self.cfg, end, idx.device)
+        cos, sin = cos[start:], sin[start:]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, i)
         return self.norm(x)
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding_table() if self.head is None else self.head.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab)."""
-        return F.linear(self.hidden(idx), self.head_weight())
+        return F.linear(self.hidden(idx, cache), self.head_weight())
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (softmax in fp32).

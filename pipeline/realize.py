@@ -13,15 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
+from pipeline.architectures import build_model
 from pipeline.config import ModelConfig
 from pipeline.donor import PCAResult
 from pipeline.errors import ConfigError, problem
-from pipeline.model import Llama, LlamaConfig, init_weights
+from pipeline.model import TransformerConfig, init_weights
 
 
-def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> LlamaConfig:
-    return LlamaConfig(
+def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
+    return TransformerConfig(
         vocab_size=vocab_size,
         d_model=mcfg.d_model,
         n_layer=mcfg.n_layer,
@@ -43,7 +45,7 @@ def realize(
     seed: int,
     lens: PCAResult | None = None,
     donor_table: np.ndarray | None = None,
-) -> Llama:
+) -> nn.Module:
     """Build and initialise the model; deterministic from `seed`.
 
     `lens` (the donor stage's PCA) is needed for `pca` and `lens`; `donor_table` (the donor's
@@ -55,7 +57,7 @@ def realize(
         raise ConfigError(problem("recipe.init=lens", "the donor embedding table", "none", "pass the donor table"))
     donor_dim = lens.components.shape[1] if init == "lens" else 0
     cfg = llama_config(mcfg, vocab_size, donor_dim)
-    model = Llama(cfg)
+    model = build_model(cfg)
     init_weights(model, mcfg.init_std, seed)
     if init == "pca":
         _init_pca(model, lens, mcfg.init_std)
@@ -68,7 +70,7 @@ def _scale(projected: np.ndarray, std: float) -> float:
     return std / float(projected.std())
 
 
-def _init_pca(model: Llama, lens: PCAResult, std: float) -> None:
+def _init_pca(model: nn.Module, lens: PCAResult, std: float) -> None:
     rows, k = lens.projected.shape
     if k < model.cfg.d_model:
         raise ConfigError(
@@ -85,7 +87,7 @@ def _init_pca(model: Llama, lens: PCAResult, std: float) -> None:
         model.tok_embd.weight.copy_(torch.from_numpy(table * _scale(table, std)))
 
 
-def _init_lens(model: Llama, lens: PCAResult, donor_table: np.ndarray, std: float) -> None:
+def _init_lens(model: nn.Module, lens: PCAResult, donor_table: np.ndarray, std: float) -> None:
     rows, width = lens.projected.shape[0], lens.components.shape[1]
     _check_rows(model, rows)
     table = lens.projected[:, : model.cfg.d_model]
@@ -100,7 +102,7 @@ def _init_lens(model: Llama, lens: PCAResult, donor_table: np.ndarray, std: floa
         model.tok_embd.weight.copy_(torch.from_numpy(centered.astype(np.float32)))
 
 
-def _check_rows(model: Llama, rows: int) -> None:
+def _check_rows(model: nn.Module, rows: int) -> None:
     if rows != model.cfg.vocab_size:
         raise ConfigError(
             problem(
@@ -109,14 +111,14 @@ def _check_rows(model: Llama, rows: int) -> None:
         )
 
 
-def save_model(model: Llama, out_dir: Path) -> None:
+def save_model(model: nn.Module, out_dir: Path) -> None:
     """Weights (safetensors) + config (JSON): everything needed to rebuild the module."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(model.cfg.to_json() + "\n")
 
 
-def load_model(model_dir: Path) -> Llama:
+def load_model(model_dir: Path) -> nn.Module:
     """The inverse of `save_model`."""
     model_dir = Path(model_dir)
     for name in ("config.json", "model.safetensors"):
@@ -124,7 +126,7 @@ def load_model(model_dir: Path) -> Llama:
             raise ConfigError(
                 problem(str(model_dir / name), "a saved model file", "no such file", "run the stage that writes it")
             )
-    model = Llama(LlamaConfig.load(model_dir / "config.json"))
+    model = build_model(TransformerConfig.load(model_dir / "config.json"))
     model.load_state_dict(load_file(str(model_dir / "model.safetensors")), strict=True)
     return model
 
