@@ -13,9 +13,10 @@ from torch import nn
 
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.gguf_io import GGUFFile
-from pipeline.model import Llama, TransformerConfig
+from pipeline.gpt2 import GPT2, export_gpt2, init_gpt2, load_gpt2
+from pipeline.model import Llama, TransformerConfig, init_weights
 
-SUPPORTED = ("llama",)
+SUPPORTED = ("llama", "gpt2")
 
 
 def _check(arch: str, where: str, error: type[Exception]) -> None:
@@ -28,7 +29,15 @@ def _check(arch: str, where: str, error: type[Exception]) -> None:
 def build_model(cfg: TransformerConfig) -> nn.Module:
     """A freshly constructed (uninitialised) module for `cfg.arch`."""
     _check(cfg.arch, "model config arch", ConfigError)
-    return Llama(cfg)
+    return GPT2(cfg) if cfg.arch == "gpt2" else Llama(cfg)
+
+
+def init_model(model: nn.Module, std: float, seed: int) -> None:
+    """Seeded random init in place, by `model.cfg.arch` (gpt2 zeroes its biases and LayerNorm shifts)."""
+    if model.cfg.arch == "gpt2":
+        init_gpt2(model, std, seed)
+    else:
+        init_weights(model, std, seed)
 
 
 def export_gguf(
@@ -38,6 +47,8 @@ def export_gguf(
     from pipeline.convert import export_llama
 
     _check(model.cfg.arch, "model config arch", ConfigError)
+    if model.cfg.arch == "gpt2":
+        return export_gpt2(model, path, tokenizer_meta, provenance, dtype)
     return export_llama(model, path, tokenizer_meta, provenance, dtype)
 
 
@@ -47,4 +58,6 @@ def load_gguf(path: Path) -> tuple[nn.Module, GGUFFile]:
 
     g = GGUFFile(path)
     _check(g.architecture, f"{path} general.architecture", GGUFError)
+    if g.architecture == "gpt2":
+        return load_gpt2(g), g
     return load_llama(g)

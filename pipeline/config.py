@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from pipeline.errors import ConfigError, problem
 
 INITS = ("scratch", "pca", "lens")
+ARCHS = ("llama", "gpt2")
 PRECISIONS = ("bf16", "fp32")
-EXPORT_TYPES = ("f32", "f16")
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # = pipeline.gguf_io.TENSOR_TYPES (a test checks)
 SOURCES = ("pydoc", "text", "dir", "jsonl")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "lbfgs")
+PARALLEL = ("ddp", "fsdp")
 
 
 def _check(ok: bool, key: str, expected: str, found: object, fix: str) -> None:
@@ -72,7 +75,11 @@ class DonorConfig:
 
 @dataclass
 class ModelConfig:
-    """Llama-shape model hyper-parameters (vocab comes from the tokenizer, not from here)."""
+    """Model hyper-parameters (vocab comes from the tokenizer, not from here).
+
+    `arch` is llama or gpt2; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE
+    (rope_theta is ignored).
+    """
 
     arch: str = "llama"
     d_model: int = 192
@@ -87,7 +94,7 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        _choice(self.arch, "model.arch", ("llama",))
+        _choice(self.arch, "model.arch", ARCHS)
         for key in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"):
             _positive(getattr(self, key), f"model.{key}")
         _check(
@@ -98,6 +105,13 @@ class ModelConfig:
             "choose n_head so that d_model/n_head is a whole head size",
         )
         _check(
+            self.arch != "gpt2" or self.n_kv_head == self.n_head,
+            "model.n_kv_head",
+            f"model.n_head={self.n_head} for arch gpt2 (it has no grouped-query attention)",
+            self.n_kv_head,
+            f"set model.n_kv_head={self.n_head}",
+        )
+        _check(
             self.n_head % self.n_kv_head == 0,
             "model.n_kv_head",
             f"a divisor of model.n_head={self.n_head}",
@@ -105,7 +119,7 @@ class ModelConfig:
             "choose n_kv_head so that n_head/n_kv_head is a whole group size",
         )
         _check(
-            (self.d_model // self.n_head) % 2 == 0,
+            self.arch != "llama" or (self.d_model // self.n_head) % 2 == 0,
             "model.d_model",
             "a head size (d_model/n_head) that is even, for RoPE",
             self.d_model // self.n_head,
@@ -129,8 +143,10 @@ class RecipeConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (linear warmup, cosine decay to a floor)."""
+    """The optimizer (AdamW, or L-BFGS as llama.cpp's trainer had) and its learning-rate schedule
+    (linear warmup, cosine decay to a floor)."""
 
+    name: str = "adamw"  # adamw | lbfgs
     lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.95
@@ -140,9 +156,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # floor of the cosine, as a fraction of lr
     cycle_steps: int = 0  # >0: cosine restarts every cycle_steps after warmup
     grad_clip: float = 1.0  # 0 disables clipping
+    lbfgs_history: int = 10  # L-BFGS: curvature pairs kept
+    lbfgs_max_iter: int = 1  # L-BFGS: iterations (on the same batch) per training step
 
     def __post_init__(self) -> None:
+        _choice(self.name, "optim.name", OPTIMIZERS)
         _positive(self.lr, "optim.lr")
+        _positive(self.lbfgs_history, "optim.lbfgs_history")
+        _positive(self.lbfgs_max_iter, "optim.lbfgs_max_iter")
         _check(0 <= self.beta1 < 1, "optim.beta1", "a value in [0, 1)", self.beta1, "use e.g. 0.9")
         _check(0 <= self.beta2 < 1, "optim.beta2", "a value in [0, 1)", self.beta2, "use e.g. 0.95")
         _positive(self.eps, "optim.eps")
@@ -168,14 +189,32 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"
     threads: int = 0  # 0: torch's default
+    compile: bool = False  # torch.compile the transformer blocks
+    activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
+    checkpoint_every: int = 100  # also always at the end; 0: only at the end
+    keep_checkpoints: int = 2  # newest K checkpoints kept per config
+    checkpoint_dir: str = "checkpoints"  # relative to the project root; outside DVC's outs so a crash keeps it
+    resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
+    skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
+    parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every"):
+        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
             _positive(getattr(self, key), f"train.{key}")
         _check(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum, "use 1 for none")
         _choice(self.precision, "train.precision", PRECISIONS)
         _choice(self.device, "train.device", DEVICES)
         _check(self.threads >= 0, "train.threads", "a value >= 0", self.threads, "use 0 for torch's default")
+        _check(
+            self.checkpoint_every >= 0,
+            "train.checkpoint_every",
+            "a value >= 0",
+            self.checkpoint_every,
+            "use 0 to checkpoint only at the end",
+        )
+        _check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
+        _check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
+        _choice(self.parallel, "train.parallel", PARALLEL)
 
 
 @dataclass
@@ -236,3 +275,47 @@ class PipelineConfig:
             self.train.seq_len,
             "lower train.seq_len or raise model.context_length",
         )
+
+
+@dataclass
+class GenerateConfig:
+    """`python -m stages.generate` (conf/generate.yaml, not part of params.yaml): which model, which
+    prompt, and llama.cpp-style sampling. temperature=0 is greedy; top_k=0 / top_p=1 disable those."""
+
+    model_path: str = ""  # a GGUF, a checkpoint dir (realize.save_model), or `smollm2`
+    prompt: str = ""
+    tokenizer_gguf: str = "smollm2"  # the tokenizer of a checkpoint dir (a GGUF brings its own)
+    chat: bool = False  # render the prompt with the GGUF's tokenizer.chat_template
+    system: str = ""  # optional system message for chat
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    repetition_penalty: float = 1.0  # 1 disables
+    repetition_last_n: int = 64  # tokens the penalty looks back over; 0 none, -1 the whole context
+    stop: list[str] = field(default_factory=list)  # stop strings (trimmed from the completion)
+    stop_ids: list[int] | None = None  # None: EOS (+ <|im_end|> with chat); [] for none
+    seed: int = 0
+    cache: bool = True  # false recomputes the whole window every token (for checking the cache)
+    precision: str = "fp32"
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
+        _positive(self.max_new_tokens, "max_new_tokens")
+        _check(self.temperature >= 0, "temperature", "a value >= 0", self.temperature, "use 0 for greedy")
+        _check(self.top_k >= 0, "top_k", "a value >= 0", self.top_k, "use 0 to disable top-k")
+        _check(0 < self.top_p <= 1, "top_p", "a value in (0, 1]", self.top_p, "use 1 to disable top-p")
+        _positive(self.repetition_penalty, "repetition_penalty")
+        _check(
+            self.repetition_last_n >= -1,
+            "repetition_last_n",
+            "a value >= -1",
+            self.repetition_last_n,
+            "use 64, 0 for none or -1 for the whole context",
+        )
+        _check(all(self.stop), "stop", "non-empty stop strings", self.stop, "remove the empty string")
+        _choice(self.precision, "precision", PRECISIONS)
+        _choice(self.device, "device", DEVICES)
+        _check(self.threads >= 0, "threads", "a value >= 0", self.threads, "use 0 for torch's default")

@@ -1,7 +1,14 @@
 """Our llama module <-> GGUF llama tensors and keys, in both directions.
 
-The mapping is one table; names and shapes are checked on the way in so a GGUF that does not
-fit gives a named error instead of a silent mis-load.
+The mapping is one table; names, shapes, sizes and the features a file asks for are checked on
+the way in, so a GGUF that does not fit gives a named error instead of a silent mis-load.
+
+No Q/K permutation, in either direction. llama.cpp's converter permutes the rows of
+attn_q/attn_k from the Hugging Face layout (RoPE on the two halves of each head) into the
+original Meta layout (RoPE on adjacent pairs), and transformers un-permutes them when it reads a
+GGUF. Our attention applies RoPE to adjacent pairs (pipeline.model.apply_rope), i.e. it computes
+in GGUF's layout, so every GGUF tensor is copied as is. tests/test_gguf_fidelity.py proves it:
+our logits on SmolLM2 equal transformers' logits on the same GGUF.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import GGUFFile, write_gguf
+from pipeline.gguf_io import FILE_TYPES, TENSOR_TYPES, GGUFFile, count_tensors, write_gguf
 from pipeline.model import Llama, TransformerConfig
 
 # our parameter name (per block, after "blocks.{i}.") -> GGUF name (after "blk.{i}.")
@@ -28,7 +35,7 @@ BLOCK_TENSORS = {
     "ffn.up.weight": "ffn_up.weight",
     "ffn.down.weight": "ffn_down.weight",
 }
-FILE_TYPES = {"f32": 0, "f16": 1}
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-dimension RoPE divisors (llama.cpp's freq_factors)
 
 
 def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
@@ -59,15 +66,21 @@ def llama_metadata(cfg: TransformerConfig, dtype: str) -> dict[str, Any]:
         "llama.attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
         "llama.vocab_size": cfg.vocab_size,
         "general.file_type": FILE_TYPES[dtype],
+        "general.quantization_version": 2,  # GGML_QUANT_VERSION, written by llama.cpp's converter too
     }
 
 
 def export_llama(
     model: Llama, path: Path, tokenizer_meta: dict[str, Any], provenance: dict[str, Any], dtype: str = "f32"
 ) -> Path:
-    """Write `model` as a llama GGUF with the donor's tokenizer and our provenance keys."""
-    if dtype not in FILE_TYPES:
-        raise GGUFError(problem("export.dtype", f"one of {sorted(FILE_TYPES)}", repr(dtype), "pick a supported type"))
+    """Write `model` as a llama GGUF with the donor's tokenizer and our provenance keys.
+
+    `dtype` (f32, f16, bf16, q8_0) is the type of the matrices; see gguf_io.encode_tensor.
+    """
+    if dtype not in TENSOR_TYPES:
+        raise GGUFError(
+            problem("export.dtype", f"one of {', '.join(TENSOR_TYPES)}", repr(dtype), "pick a supported type")
+        )
     metadata: dict[str, Any] = {"general.type": "model"}
     metadata.update(provenance)
     metadata.update(llama_metadata(model.cfg, dtype))
@@ -75,14 +88,74 @@ def export_llama(
     return write_gguf(path, "llama", metadata, gguf_tensors(model), dtype=dtype)
 
 
+def _unsupported(g: GGUFFile, what: str, found: Any, fix: str) -> GGUFError:
+    return GGUFError(problem(str(g.path), what, str(found), fix))
+
+
+def _int_key(g: GGUFFile, suffix: str, default: int | None = None) -> int:
+    """A scalar integer `llama.*` key (required unless a default is given); per-layer arrays are refused."""
+    key = f"llama.{suffix}"
+    value = g.require(key) if default is None else g.metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _unsupported(g, f"{key} as one integer", repr(value), "per-layer values are not supported")
+    return value
+
+
 def config_from_gguf(g: GGUFFile) -> TransformerConfig:
-    """Rebuild our config from `llama.*` keys, checking what we do not support."""
+    """Rebuild our config from `llama.*` keys, refusing what our module cannot compute exactly."""
+    from pipeline.architectures import SUPPORTED
+
     if g.architecture != "llama":
         raise GGUFError(
-            problem(str(g.path), "general.architecture = llama", repr(g.architecture), "use a llama-architecture GGUF")
+            problem(
+                f"{g.path} general.architecture",
+                f"llama for this loader (supported architectures: {', '.join(SUPPORTED)})",
+                repr(g.architecture),
+                "use a GGUF of a supported architecture, loaded through pipeline.architectures.load_gguf",
+            )
         )
-    d_model = int(g.arch_key("embedding_length"))
-    n_head = int(g.arch_key("attention.head_count"))
+    d_model = _int_key(g, "embedding_length")
+    n_head = _int_key(g, "attention.head_count")
+    n_layer = _int_key(g, "block_count")
+    if n_head <= 0 or d_model % n_head:
+        raise _unsupported(g, f"llama.attention.head_count dividing {d_model}", n_head, "the file is inconsistent")
+    head_dim = d_model // n_head
+    _check_features(g, head_dim)
+    vocab = _check_embedding(g, d_model)
+    _check_tensor_names(g, n_layer, head_dim)
+    return TransformerConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=_int_key(g, "attention.head_count_kv", n_head),
+        d_ff=_int_key(g, "feed_forward_length"),
+        context_length=_int_key(g, "context_length"),
+        rope_theta=float(g.metadata.get("llama.rope.freq_base", 10000.0)),
+        norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=not g.has_tensor("output.weight"),
+    )
+
+
+def _check_features(g: GGUFFile, head_dim: int) -> None:
+    """Keys that would change the computation in ways our module does not implement."""
+    for suffix in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = _int_key(g, suffix, head_dim)
+        if value != head_dim:
+            raise _unsupported(
+                g, f"llama.{suffix} = head size {head_dim}", value, "partial RoPE / MLA is not supported"
+            )
+    scaling = str(g.metadata.get("llama.rope.scaling.type", "none"))
+    factor = float(g.metadata.get("llama.rope.scaling.factor", 1.0))
+    if scaling not in ("none", "") and factor != 1.0:
+        raise _unsupported(g, "no RoPE scaling", f"llama.rope.scaling.type={scaling} factor={factor}", "not supported")
+    experts = _int_key(g, "expert_count", 0)
+    if experts:
+        raise _unsupported(g, "a dense model", f"llama.expert_count={experts}", "mixture-of-experts is not supported")
+
+
+def _check_embedding(g: GGUFFile, d_model: int) -> int:
+    """The vocab size: embedding rows, which the vocab key and the tokenizer must agree with."""
     rows, width = g.tensor_info("token_embd.weight").shape
     if width != d_model:
         raise GGUFError(
@@ -93,36 +166,66 @@ def config_from_gguf(g: GGUFFile) -> TransformerConfig:
                 "the file is inconsistent; re-export it",
             )
         )
-    rope_dims = int(g.metadata.get("llama.rope.dimension_count", d_model // n_head))
-    if rope_dims != d_model // n_head:
+    counts = {"llama.vocab_size": g.metadata.get("llama.vocab_size")}
+    if "tokenizer.ggml.tokens" in g.metadata:
+        counts["len(tokenizer.ggml.tokens)"] = len(g.metadata["tokenizer.ggml.tokens"])
+    for key, n in counts.items():
+        if n is not None and n != rows:
+            raise GGUFError(
+                problem(
+                    f"{g.path} {key}",
+                    f"{rows} (the rows of token_embd.weight)",
+                    str(n),
+                    "the vocab and the embedding table disagree; re-export the file",
+                )
+            )
+    return rows
+
+
+def _check_tensor_names(g: GGUFFile, n_layer: int, head_dim: int) -> None:
+    """Exactly the tensors our module has (plus an all-ones rope_freqs): nothing missing, nothing ignored."""
+    expected = {"token_embd.weight", "output_norm.weight"}
+    expected |= {f"blk.{i}.{theirs}" for i in range(n_layer) for theirs in BLOCK_TENSORS.values()}
+    present = set(g.tensor_names())
+    missing = sorted(expected - present)
+    if missing:
+        raise GGUFError(
+            problem(str(g.path), f"the llama tensors for {n_layer} blocks", f"{missing[:4]} missing", "re-export it")
+        )
+    extra = sorted(present - expected - {"output.weight", ROPE_FREQS})
+    if extra:
+        more = f" and {len(extra) - 4} more" if len(extra) > 4 else ""
         raise GGUFError(
             problem(
                 str(g.path),
-                f"llama.rope.dimension_count = head size {d_model // n_head}",
-                rope_dims,
-                "partial RoPE is not supported",
+                "only tensors our llama module uses",
+                f"{extra[:4]}{more}",
+                "this llama variant (biases, extra layers) is not supported",
             )
         )
-    return TransformerConfig(
-        vocab_size=rows,
-        d_model=d_model,
-        n_layer=int(g.arch_key("block_count")),
-        n_head=n_head,
-        n_kv_head=int(g.metadata.get("llama.attention.head_count_kv", n_head)),
-        d_ff=int(g.arch_key("feed_forward_length")),
-        context_length=int(g.arch_key("context_length")),
-        rope_theta=float(g.metadata.get("llama.rope.freq_base", 10000.0)),
-        norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not g.has_tensor("output.weight"),
-    )
+    if ROPE_FREQS in present:
+        factors = g.tensor(ROPE_FREQS)
+        if factors.shape != (head_dim // 2,) or not np.all(factors == 1.0):
+            raise GGUFError(
+                problem(
+                    f"{g.path} {ROPE_FREQS}",
+                    "plain RoPE (no tensor, or all factors 1)",
+                    f"llama3-style RoPE frequency factors {factors.ravel()[:3].tolist()}...",
+                    "rope_freqs not supported; use a model without RoPE frequency scaling",
+                )
+            )
 
 
 def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:
-    """A whole llama GGUF as our fp32 module (dequantizing every tensor), plus the open file."""
+    """A whole llama GGUF as our fp32 module (dequantizing every tensor), plus the open file.
+
+    The module is built on the meta device and takes the file's tensors as its parameters, so no
+    throw-away random init is computed.
+    """
     g = source if isinstance(source, GGUFFile) else GGUFFile(source)
     cfg = config_from_gguf(g)
-    model = Llama(cfg)
-    state = {}
+    with torch.device("meta"):
+        model = Llama(cfg)
     names = {"tok_embd.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not cfg.tie_embeddings:
         names["head.weight"] = "output.weight"
@@ -130,6 +233,7 @@ def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:
         for ours, theirs in BLOCK_TENSORS.items():
             names[f"blocks.{i}.{ours}"] = f"blk.{i}.{theirs}"
     expected = dict(model.state_dict())
+    state = {}
     for ours, theirs in names.items():
         arr = g.tensor(theirs)
         want = tuple(expected[ours].shape)
@@ -138,7 +242,7 @@ def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:
                 problem(f"{g.path} tensor {theirs}", f"shape {want}", f"shape {arr.shape}", "the file is inconsistent")
             )
         state[ours] = torch.from_numpy(arr)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     return model, g
 
 
@@ -167,4 +271,4 @@ def run_export(
             )
         )
     path = export_gguf(model, out_path, tok_meta, provenance, dtype)
-    return {"file_bytes": float(path.stat().st_size), "tensors": float(len(gguf_tensors(model)))}
+    return {"file_bytes": float(path.stat().st_size), "tensors": float(count_tensors(path))}

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pipeline.architectures import build_model
+from pipeline.architectures import build_model, init_model
 from pipeline.config import ModelConfig
 from pipeline.donor import PCAResult
 from pipeline.errors import ConfigError, problem
-from pipeline.model import TransformerConfig, init_weights
+from pipeline.model import TransformerConfig
 
 
 def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
@@ -35,6 +35,7 @@ def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> Tran
         norm_eps=mcfg.norm_eps,
         tie_embeddings=mcfg.tie_embeddings,
         donor_dim=donor_dim,
+        arch=mcfg.arch,
     )
 
 
@@ -58,7 +59,7 @@ def realize(
     donor_dim = lens.components.shape[1] if init == "lens" else 0
     cfg = llama_config(mcfg, vocab_size, donor_dim)
     model = build_model(cfg)
-    init_weights(model, mcfg.init_std, seed)
+    init_model(model, mcfg.init_std, seed)
     if init == "pca":
         _init_pca(model, lens, mcfg.init_std)
     elif init == "lens":

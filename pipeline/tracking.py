@@ -109,6 +109,16 @@ class Tracker:
         run = self._client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return Run(self._client, RunInfo(run.info.run_id, self.experiment_id, self.tracking_uri))
 
+    def exists(self, run_id: str) -> bool:
+        """Whether `run_id` is a run of this store (a checkpoint may come from another store)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
+
     def resume(self, run_id: str) -> Run:
         """Reopen an existing run (e.g. to keep logging after a restart)."""
         self._client.update_run(run_id, status="RUNNING")

@@ -1,29 +1,59 @@
 """The one training loop every recipe uses.
 
-AdamW with linear warmup and cosine decay to a floor (optionally restarting), gradient clipping
-and accumulation, bf16 autocast, seeded batch sampling from the packed memmap, and validation in
-fp32 over the whole val split so the number is exactly reproducible by the evaluate stage.
-Tracking is a callback: this module knows nothing of MLflow.
+AdamW (or L-BFGS) with linear warmup and cosine decay to a floor (optionally restarting), gradient
+clipping and accumulation, bf16 autocast, seeded batch sampling from the packed memmap, and
+validation in fp32 over the whole val split so the number is exactly reproducible by the evaluate
+stage. Checkpoints (pipeline/checkpoint.py) hold everything the loop's future depends on, so a
+resumed run ends bit-identical to an uninterrupted one. Under torchrun it trains data-parallel
+(DDP) or sharded (FSDP) through pipeline/distributed.py. Tracking is a callback: this module
+knows nothing of MLflow.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from pipeline import checkpoint as ckpt
+from pipeline import distributed as dist
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.errors import ConfigError, problem
-from pipeline.model import Llama
+from pipeline.errors import ConfigError, PipelineError, problem
+from pipeline.model import Llama, TransformerConfig
 
 LogFn = Callable[[dict[str, float], int], None]
+
+# Settings that change the training trajectory: a checkpoint resumes only a run that agrees on all
+# of them. Cadence (eval/log/checkpoint), threads, device, world size and the skip/checkpointing
+# switches are left out: changing them on resume is legitimate (not always bit-exact).
+TRAJECTORY_KEYS = ("steps", "batch_size", "seq_len", "grad_accum", "precision", "compile")
+
+
+class NonFiniteError(PipelineError):
+    """A step produced a NaN/inf loss or gradient; the run stops before applying it."""
+
+
+class TrainingInterrupted(PipelineError):
+    """SIGINT/SIGTERM: the step finished, a checkpoint was written, the run stops."""
+
+    mlflow_status = "KILLED"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def pick_device(name: str) -> torch.device:
@@ -38,7 +68,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def autocast(device: torch.device, precision: str):
-    """bf16 autocast for matmuls (AMX on this CPU), or nothing for fp32."""
+    """bf16 autocast for matmuls (AMX/AVX512-BF16 on CPU, tensor cores on CUDA), or nothing for fp32."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
@@ -58,7 +88,10 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 
 class BatchSampler:
-    """Random windows of `seq_len + 1` tokens from a memmapped split, from a seeded generator."""
+    """Random windows of `seq_len + 1` tokens from a memmapped split, from a seeded generator.
+
+    Its whole future is its generator state (`state()` / `set_state()`), which checkpoints carry.
+    """
 
     def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int):
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
@@ -69,6 +102,12 @@ class BatchSampler:
         rows = np.stack([np.asarray(self.data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
+
+    def state(self) -> dict[str, Any]:
+        return self.rng.bit_generator.state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state
 
 
 def check_split_fits(n_tokens: int, split: str, batch_size: int, seq_len: int) -> None:
@@ -90,6 +129,31 @@ def check_split_fits(n_tokens: int, split: str, batch_size: int, seq_len: int) -
                 f"{batch_size} x {seq_len} = {batch_size * seq_len}",
                 "lower the batch or sequence length, or pack a larger corpus",
             )
+        )
+
+
+def check_config(model: nn.Module, n_train: int, n_val: int, tcfg: TrainConfig, optim: OptimConfig) -> None:
+    """Everything about the batch shape and options that the data, model or job cannot serve."""
+    if tcfg.seq_len > model.cfg.context_length:
+        raise ConfigError(
+            problem(
+                "config key train.seq_len",
+                f"at most the model's context_length={model.cfg.context_length}",
+                str(tcfg.seq_len),
+                "lower train.seq_len",
+            )
+        )
+    if tcfg.grad_accum < 1:
+        raise ConfigError(
+            problem("config key train.grad_accum", "an integer >= 1", str(tcfg.grad_accum), "use 1 for none")
+        )
+    check_split_fits(n_train, "train", tcfg.batch_size, tcfg.seq_len)
+    check_split_fits(n_val, "val", 1, tcfg.seq_len)
+    info = dist.env_info()
+    dist.check_batch_divides(tcfg.batch_size, info)
+    if optim.name == "lbfgs" and info.enabled and tcfg.parallel == "fsdp":
+        raise ConfigError(
+            problem("config key optim.name", "adamw with train.parallel=fsdp", "lbfgs", "use DDP or AdamW")
         )
 
 
@@ -117,8 +181,16 @@ def evaluate_loss(model: Llama, data: np.ndarray, seq_len: int, batch_size: int,
 
 
 def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms), fused where torch has it."""
+    """AdamW (decay on matrices only, fused where torch has it) or L-BFGS with a line search."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if optim.name == "lbfgs":
+        return torch.optim.LBFGS(
+            params,
+            lr=optim.lr,
+            history_size=optim.lbfgs_history,
+            max_iter=optim.lbfgs_max_iter,
+            line_search_fn="strong_wolfe",
+        )
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -129,6 +201,53 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimize
         return torch.optim.AdamW(groups, **kwargs)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of keeping them (any model with `blocks`).
+
+    The block's `forward` is wrapped in place, so parameter names and checkpoints are unchanged;
+    without gradients (validation, generation) blocks run as usual.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ConfigError(
+            problem(
+                "config key train.activation_checkpointing",
+                "a model with transformer `blocks`",
+                type(model).__name__,
+                "set train.activation_checkpointing=false",
+            )
+        )
+    for block in blocks:
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        block.forward = forward
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block in place (names unchanged); the chunked loss stays eager."""
+    for block in getattr(model, "blocks", []):
+        block.compile(dynamic=False)
+
+
+class _Forward(nn.Module):
+    """One module whose forward is the training loss (or logits without targets), so that DDP's and
+    FSDP's forward hooks wrap exactly what a step runs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx) if targets is None else self.model.loss(idx, targets)
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -137,10 +256,284 @@ class TrainResult:
     final_val_loss: float
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)  # one row per logged step
+    resumed_from: int = 0  # the step a checkpoint resumed at (0: a fresh start)
+    skipped_steps: int = 0
+    checkpoint: str | None = None  # the final checkpoint
+    weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # full, on the main rank
+    optimizer_state: dict[str, Any] | None = field(default=None, repr=False)  # name-keyed, main rank
 
     @property
     def final_val_ppl(self) -> float:
         return math.exp(self.final_val_loss)
+
+
+@dataclass
+class CheckpointPlan:
+    """Where this configuration's checkpoints live, what identifies it, and where to resume."""
+
+    root: Path  # <checkpoint_dir>/<key>
+    compat: dict[str, Any]
+    resume: ckpt.Checkpoint | None = None
+    keep: int = 2
+    every: int = 0
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.resume is None else self.resume.run_id
+
+
+def compat_dict(
+    model_cfg: TransformerConfig, tcfg: TrainConfig, optim: OptimConfig, seed: int, init_fp: str, data_fp: str
+) -> dict[str, Any]:
+    """What must match for a checkpoint to continue this run."""
+    return {
+        "model": asdict(model_cfg),
+        "init_weights": init_fp,
+        "data": data_fp,
+        "seed": seed,
+        "train": {k: getattr(tcfg, k) for k in TRAJECTORY_KEYS},
+        "optim": asdict(optim),
+    }
+
+
+def plan_checkpoints(
+    tcfg: TrainConfig,
+    optim: OptimConfig,
+    seed: int,
+    init_dir: Path,
+    packed_dir: Path,
+    checkpoint_dir: Path,
+    report: Callable[[str], None] | None = None,
+) -> CheckpointPlan:
+    """The checkpoint directory of this configuration and the checkpoint to resume from, if any.
+
+    `train.resume=auto`: the newest valid checkpoint of this configuration (corrupt ones are
+    reported and skipped); `never`: none; a path: that checkpoint, which must have been made with
+    this configuration (else a ConfigError naming the differing keys).
+    """
+    from pipeline.pack import load_meta
+
+    init_dir, packed_dir = Path(init_dir), Path(packed_dir)
+    load_meta(packed_dir)  # a named error when the pack stage has not run
+    for name in ("config.json", "model.safetensors"):
+        if not (init_dir / name).is_file():
+            raise ConfigError(
+                problem(str(init_dir / name), "initial weights", "no such file", "run: dvc repro realize")
+            )
+    model_cfg = TransformerConfig.load(init_dir / "config.json")
+    init_fp = ckpt.fingerprint([init_dir / "model.safetensors"])
+    data_fp = ckpt.fingerprint([packed_dir / n for n in ("meta.json", "train.bin", "val.bin")])
+    compat = compat_dict(model_cfg, tcfg, optim, seed, init_fp, data_fp)
+    root = Path(checkpoint_dir) / ckpt.config_key(compat)
+    plan = CheckpointPlan(root, compat, None, tcfg.keep_checkpoints, tcfg.checkpoint_every)
+    if tcfg.resume == "auto":
+        plan.resume = ckpt.newest_valid(root, report)
+    elif tcfg.resume != "never":
+        found = ckpt.resolve(Path(tcfg.resume), report)
+        diff = ckpt.differences(found.state.get("compat", {}), compat)
+        if diff:
+            raise ConfigError(
+                problem(
+                    "config key train.resume",
+                    f"a checkpoint made with this configuration ({found.path})",
+                    "differences in " + "; ".join(diff),
+                    "resume with the configuration the checkpoint was made with, or use train.resume=auto|never",
+                )
+            )
+        plan.resume = found
+    return plan
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[dict[str, int]]:
+    """SIGINT/SIGTERM ask the loop to stop after the current step (it checkpoints first); a second
+    signal interrupts at once. Yields a dict that holds `signum` once a stop was asked for."""
+    asked: dict[str, int] = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked["signum"] = signum
+        print(
+            f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (again to abort now)",
+            file=sys.stderr,
+        )
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _named_optimizer_state(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """`opt.state_dict()` keyed by parameter name instead of position (portable across wrappers)."""
+    sd = opt.state_dict()
+    by_index = {}
+    for saved, group in zip(sd["param_groups"], opt.param_groups):
+        by_index.update({i: names[id(p)] for i, p in zip(saved["params"], group["params"])})
+    return {
+        "state": {by_index[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
+
+
+def _load_named_optimizer_state(opt: torch.optim.Optimizer, named: dict[str, Any], names: dict[int, str]) -> None:
+    current = opt.state_dict()
+    index = {}
+    for saved, group in zip(current["param_groups"], opt.param_groups):
+        index.update({names[id(p)]: i for i, p in zip(saved["params"], group["params"])})
+    groups = [{**g, "params": c["params"]} for g, c in zip(named["param_groups"], current["param_groups"])]
+    opt.load_state_dict({"state": {index[n]: s for n, s in named["state"].items()}, "param_groups": groups})
+
+
+class _Session:
+    """The state of one training process: model, wrappers, optimizer, sampler, counters."""
+
+    def __init__(self, model: nn.Module, tcfg: TrainConfig, optim: OptimConfig, device: torch.device):
+        self.model, self.tcfg, self.optim, self.device = model, tcfg, optim, device
+        self.info = dist.env_info()
+        self.fsdp = self.info.enabled and tcfg.parallel == "fsdp"
+        self.module = dist.wrap(_Forward(model), tcfg.parallel, self.info, device)
+        self.opt = make_optimizer(self.module, optim)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.eval_module = self.module if self.fsdp else model
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full weights and name-keyed optimizer state on CPU (a collective under FSDP)."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = _strip(get_model_state_dict(self.module, options=opts))
+            osd = get_optimizer_state_dict(self.module, self.opt, options=opts)
+            if osd:
+                osd = {
+                    "state": _strip(osd["state"]),
+                    "param_groups": [{**g, "params": [_unprefix(n) for n in g["params"]]} for g in osd["param_groups"]],
+                }
+            return weights, osd
+        weights = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        return weights, _named_optimizer_state(self.opt, self.names)
+
+    def load_optimizer(self, named: dict[str, Any]) -> None:
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            prefixed = {
+                "state": {f"model.{k}": v for k, v in named["state"].items()},
+                "param_groups": [{**g, "params": [f"model.{n}" for n in g["params"]]} for g in named["param_groups"]],
+            }
+            set_optimizer_state_dict(self.module, self.opt, prefixed, options=StateDictOptions(full_state_dict=True))
+        else:
+            _load_named_optimizer_state(self.opt, named, self.names)
+
+    @contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Gradient all-reduce only on the last micro-batch of an accumulated step."""
+        if not self.info.enabled or enabled:
+            yield
+        elif self.fsdp:
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+        else:
+            with self.module.no_sync():
+                yield
+
+
+def _unprefix(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def _strip(d: dict[str, Any]) -> dict[str, Any]:
+    return {_unprefix(k): v for k, v in d.items()}
+
+
+def _rng_states(device: torch.device) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(JSON-able python/numpy states, torch generator states) of this process."""
+    py = random.getstate()
+    npy = np.random.get_state(legacy=False)
+    json_states = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": {**npy, "state": {"key": npy["state"]["key"].tolist(), "pos": int(npy["state"]["pos"])}},
+    }
+    tensors = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        tensors.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    if device.type == "mps":
+        tensors["mps"] = torch.mps.get_rng_state()
+    return json_states, tensors
+
+
+def _set_rng_states(json_states: dict[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    py = json_states["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = json_states["numpy"]
+    key = np.array(npy["state"]["key"], dtype=np.uint32)
+    np.random.set_state({**npy, "state": {"key": key, "pos": npy["state"]["pos"]}})
+    torch.set_rng_state(tensors["torch"])
+    if device.type == "cuda":
+        cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    if device.type == "mps" and "mps" in tensors:
+        torch.mps.set_rng_state(tensors["mps"])
+
+
+def _save_checkpoint(
+    plan: CheckpointPlan,
+    step: int,
+    session: _Session,
+    sampler: BatchSampler,
+    extra: dict[str, Any],
+) -> Path | None:
+    """Every rank takes part (the FSDP gather); rank 0 writes."""
+    weights, optimizer_state = session.snapshot()
+    path = None
+    if session.info.is_main:
+        from safetensors.torch import save_file
+
+        json_rng, tensor_rng = _rng_states(session.device)
+        state = {**extra, "compat": plan.compat, "sampler": sampler.state(), "rng": json_rng}
+        writers = {
+            "model.safetensors": lambda p: save_file(weights, str(p)),
+            "config.json": lambda p: p.write_text(session.model.cfg.to_json() + "\n"),
+            "optimizer.pt": lambda p: torch.save(optimizer_state, p),
+            "rng.pt": lambda p: torch.save(tensor_rng, p),
+        }
+        path = ckpt.write(plan.root, step, writers, state, plan.keep)
+    dist.barrier(session.info)
+    return path
+
+
+def _load_checkpoint(found: ckpt.Checkpoint, model: nn.Module) -> None:
+    """Weights into the (still unwrapped) model; the rest is restored once the optimizer exists."""
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(found.path / "model.safetensors")), strict=True)
+
+
+def _clip(params: list[nn.Parameter], max_norm: float) -> float:
+    """Gradient norm before clipping (clipping only when max_norm > 0)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # FSDP: a sharded (DTensor) norm
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def train(
@@ -152,79 +545,178 @@ def train(
     seed: int,
     log: LogFn | None = None,
     progress: bool = True,
+    plan: CheckpointPlan | None = None,
+    run_id: str | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> tuple[TrainResult, torch.optim.Optimizer]:
-    """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer."""
+    """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
+
+    With a `plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
+    from `plan.resume` if set. `flush` is called before each checkpoint so the tracker holds every
+    metric up to it.
+    """
     from tqdm.auto import tqdm
 
     log = log or (lambda metrics, step: None)
-    if tcfg.seq_len > model.cfg.context_length:
-        raise ConfigError(
-            problem(
-                "config key train.seq_len",
-                f"at most the model's context_length={model.cfg.context_length}",
-                str(tcfg.seq_len),
-                "lower train.seq_len",
-            )
-        )
-    check_split_fits(len(train_data), "train", tcfg.batch_size, tcfg.seq_len)
-    check_split_fits(len(val_data), "val", 1, tcfg.seq_len)
+    flush = flush or (lambda: None)
+    check_config(model, len(train_data), len(val_data), tcfg, optim)
     if tcfg.threads > 0:
         torch.set_num_threads(tcfg.threads)
-    device = pick_device(tcfg.device)
+    info = dist.env_info()
+    device = dist.rank_device(pick_device(tcfg.device), info)
+    dist.setup(device)
     torch.manual_seed(seed)
+    resume = plan.resume if plan is not None else None
+    if resume is not None:
+        _load_checkpoint(resume, model)
     model.to(device).train()
-    opt = make_optimizer(model, optim)
+    if tcfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if tcfg.compile:
+        compile_blocks(model)
+    session = _Session(model, tcfg, optim, device)
+    opt = session.opt
     sampler = BatchSampler(train_data, tcfg.batch_size, tcfg.seq_len, seed)
-    history: list[dict[str, float]] = []
+    state: dict[str, Any] = {"history": [], "skipped_steps": 0, "seconds": 0.0}
+    if resume is not None:
+        session.load_optimizer(torch.load(resume.path / "optimizer.pt", weights_only=True))
+        sampler.set_state(resume.state["sampler"])
+        _set_rng_states(resume.state["rng"], torch.load(resume.path / "rng.pt", weights_only=True), device)
+        state = {k: resume.state[k] for k in state}
+    elif plan is not None and tcfg.resume == "never" and info.is_main:
+        ckpt.remove_newer(plan.root, 0)
+    start_step = 0 if resume is None else resume.step
+    history: list[dict[str, float]] = state["history"]
     tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum
-    start = time.perf_counter()
-    loss_value = float("nan")
-    bar = tqdm(range(tcfg.steps), desc="train", disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        t0 = time.perf_counter()
-        lr = lr_at(step, optim, tcfg.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for _ in range(tcfg.grad_accum):
-            x, y = sampler()
-            with autocast(device, tcfg.precision):
-                loss = model.loss(x.to(device), y.to(device))
-            (loss / tcfg.grad_accum).backward()
-            loss_sum += loss.item()
-        loss_value = loss_sum / tcfg.grad_accum
-        grad_norm = _clip(model, optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        row = {"train_loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_second": tokens_per_step / dt}
-        last = step == tcfg.steps - 1
-        if (step + 1) % tcfg.eval_every == 0 or last:
-            row["val_loss"] = evaluate_loss(model, val_data, tcfg.seq_len, tcfg.batch_size, device)
-            row["val_ppl"] = math.exp(row["val_loss"])
-        if (step + 1) % tcfg.log_every == 0 or "val_loss" in row or step == 0:
-            log(row, step + 1)
-            history.append({"step": step + 1, **row})
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
+    params = [p for p in session.module.parameters() if p.requires_grad]
+    started = time.perf_counter()
+    last_checkpoint = None if resume is None else str(resume.path)
+    loss_value = history[-1]["train_loss"] if history else float("nan")
+
+    def forward_backward(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(batches):
+            with session.grad_sync(i == len(batches) - 1), autocast(device, tcfg.precision):
+                loss = session.module(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            (loss / len(batches)).backward()
+            total += loss.detach().float()
+        return dist.mean_across(total / len(batches), info)
+
+    def checkpoint(done: int) -> str | None:
+        flush()
+        extra = {**state, "seconds": state["seconds"] + time.perf_counter() - started, "mlflow_run_id": run_id}
+        path = _save_checkpoint(plan, done, session, sampler, extra)
+        return None if path is None else str(path)
+
+    bar = tqdm(
+        total=tcfg.steps, initial=start_step, desc="train", disable=not (progress and info.is_main), dynamic_ncols=True
+    )
+    with stop_on_signals() as asked:
+        for step in range(start_step, tcfg.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, optim, tcfg.steps)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batches = [tuple(dist.shard_rows(t, info) for t in sampler()) for _ in range(tcfg.grad_accum)]
+            if optim.name == "lbfgs":
+                loss_value, grad_norm = _lbfgs_step(opt, forward_backward, batches, params, optim.grad_clip)
+                finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+            else:
+                loss_value = float(forward_backward(batches))
+                grad_norm = _clip(params, optim.grad_clip)
+                finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+                if finite:
+                    opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not finite:
+                if not tcfg.skip_nonfinite or optim.name == "lbfgs":
+                    raise NonFiniteError(_nonfinite_message(step + 1, loss_value, grad_norm, last_checkpoint, optim))
+                state["skipped_steps"] += 1
+            dt = time.perf_counter() - t0
+            row = {"train_loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+            row["tokens_per_second"] = tokens_per_step / dt
+            if tcfg.skip_nonfinite:
+                row["skipped_steps"] = float(state["skipped_steps"])
+            done = step + 1
+            if done % tcfg.eval_every == 0 or done == tcfg.steps:
+                row["val_loss"] = evaluate_loss(session.eval_module, val_data, tcfg.seq_len, tcfg.batch_size, device)
+                row["val_ppl"] = math.exp(row["val_loss"])
+            if done % tcfg.log_every == 0 or "val_loss" in row or step == 0:
+                if info.is_main:
+                    log(row, done)
+                history.append({"step": done, **row})
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}")
+            stop = dist.any_rank(bool(asked), info, device)
+            every = plan is not None and plan.every > 0 and done % plan.every == 0
+            if plan is not None and (every or done == tcfg.steps or stop):
+                last_checkpoint = checkpoint(done)
+            if stop:
+                bar.close()
+                raise _interrupted(asked.get("signum", signal.SIGTERM), done, last_checkpoint)
     bar.close()
+    weights, optimizer_state = session.snapshot()
     final_val = history[-1]["val_loss"]
     result = TrainResult(
         steps=tcfg.steps,
         tokens_seen=tokens_per_step * tcfg.steps,
         final_train_loss=loss_value,
         final_val_loss=final_val,
-        seconds=time.perf_counter() - start,
+        seconds=state["seconds"] + time.perf_counter() - started,
         history=history,
+        resumed_from=start_step,
+        skipped_steps=state["skipped_steps"],
+        checkpoint=last_checkpoint,
+        weights=weights if info.is_main else None,
+        optimizer_state=optimizer_state if info.is_main else None,
     )
     return result, opt
 
 
-def _clip(model: nn.Module, max_norm: float) -> float:
-    """Gradient norm before clipping (clipping only when max_norm > 0)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])))
+def _lbfgs_step(
+    opt: torch.optim.Optimizer,
+    forward_backward: Callable[[list], torch.Tensor],
+    batches: list,
+    params: list[nn.Parameter],
+    grad_clip: float,
+) -> tuple[float, float]:
+    """One L-BFGS step on this step's batches; (loss before the step, its gradient norm)."""
+    first: dict[str, float] = {}
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward(batches)
+        norm = _clip(params, grad_clip)
+        first.setdefault("norm", norm)
+        return loss
+
+    loss = opt.step(closure)
+    return float(loss), first["norm"]
+
+
+def _nonfinite_message(step: int, loss: float, grad_norm: float, last: str | None, optim: OptimConfig) -> str:
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    skip = "" if optim.name == "lbfgs" else ", or set train.skip_nonfinite=true to skip such steps"
+    return problem(
+        f"train step {step}",
+        "a finite loss and gradient norm",
+        f"loss={loss} grad_norm={grad_norm}",
+        f"lower optim.lr or set optim.grad_clip{skip}; {kept} (train.resume=auto continues from it)",
+    )
+
+
+def _interrupted(signum: int, step: int, last: str | None) -> TrainingInterrupted:
+    where = f"checkpoint {last}" if last else "no checkpoint (train.checkpoint_dir unset)"
+    name = signal.Signals(signum).name
+    return TrainingInterrupted(
+        problem(
+            f"train stopped by {name} after step {step}",
+            "an uninterrupted run",
+            f"a stop request; wrote {where}",
+            "run again with train.resume=auto to continue",
+        ),
+        signum,
+    )
 
 
 def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
@@ -240,13 +732,16 @@ def run_train(
     out_dir: Path,
     log: LogFn | None = None,
     run_id: str | None = None,
+    plan: CheckpointPlan | None = None,
+    flush: Callable[[], None] | None = None,
 ) -> TrainResult:
-    """The train stage: initial weights + packed data in, final weights + optimizer state out."""
-    import json
+    """The train stage: initial weights + packed data in, final weights + optimizer state out.
 
+    `plan` (from `plan_checkpoints`) turns on checkpointing and resume. Only the main rank writes.
+    """
     from pipeline.atomic import atomic_dir
     from pipeline.pack import load_meta, load_split
-    from pipeline.realize import load_model, save_model
+    from pipeline.realize import load_model
 
     model = load_model(init_dir)
     meta = load_meta(packed_dir)
@@ -259,7 +754,13 @@ def run_train(
                 "re-run realize after pack",
             )
         )
-    result, opt = train(model, load_split(packed_dir, "train"), load_split(packed_dir, "val"), tcfg, optim, seed, log)
+    train_data, val_data = load_split(packed_dir, "train"), load_split(packed_dir, "val")
+    try:
+        result, _ = train(model, train_data, val_data, tcfg, optim, seed, log, plan=plan, run_id=run_id, flush=flush)
+    finally:
+        dist.teardown(dist.env_info())
+    if result.weights is None:
+        return result
     state = {
         "steps": result.steps,
         "tokens_seen": result.tokens_seen,
@@ -268,9 +769,17 @@ def run_train(
         "seq_len": tcfg.seq_len,
         "batch_size": tcfg.batch_size,
         "mlflow_run_id": run_id,
+        "resumed_from": result.resumed_from,
+        "skipped_steps": result.skipped_steps,
+        "checkpoint": result.checkpoint,
+        "world_size": dist.env_info().world_size,
+        "history": result.history,
     }
+    from safetensors.torch import save_file
+
     with atomic_dir(out_dir) as tmp:
-        save_model(model.cpu(), tmp)
-        save_optimizer(opt, tmp / "optimizer.pt")
+        save_file(result.weights, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(model.cfg.to_json() + "\n")
+        torch.save(result.optimizer_state, tmp / "optimizer.pt")
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
     return result

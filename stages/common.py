@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -27,6 +27,7 @@ from pipeline.errors import ConfigError, PipelineError
 from pipeline.tracking import Run, Tracker, default_tracking_uri
 
 CONFIG_PATH = "../conf"
+T = TypeVar("T")
 CONFIG_NAME = "config"
 
 
@@ -116,26 +117,33 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
     """One line on stderr and a non-zero exit: never a traceback for a user mistake."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def typed_config(cfg: DictConfig) -> PipelineConfig:
     """Merge into the schema (types, unknown keys) and build the dataclasses (value checks)."""
+    return structured_config(PipelineConfig, cfg)
+
+
+def structured_config(schema: type[T], cfg: DictConfig, source: str = "params.yaml") -> T:
+    """`cfg` merged into the dataclass `schema` and built (its __post_init__ checks values);
+    `source` names the config file for the one-line error."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(PipelineConfig), cfg)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)
     except MissingMandatoryValue as e:
         raise ConfigError(
             f"config key {e.full_key}: expected a value, found ??? (mandatory); fix: set {e.full_key}=... on the "
-            "command line or in params.yaml"
+            f"command line or in {source}"
         ) from None
     except OmegaConfBaseException as e:
         msg = str(e.msg if hasattr(e, "msg") and e.msg else e).splitlines()[0]
         key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"config key {key}: {msg}; fix: correct {key} in conf/ or params.yaml") from None
+        where = "conf/ or params.yaml" if source == "params.yaml" else source
+        raise ConfigError(f"config key {key}: {msg}; fix: correct {key} in {where}") from None
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
@@ -164,8 +172,19 @@ def _hydra_job() -> tuple[bool, Path | None, str | None]:
     return multirun, Path(hc.runtime.output_dir), str(Path(hc.sweep.dir).resolve()) if multirun else None
 
 
-def run_stage(stage: str, cfg: DictConfig, body: Callable[[StageContext], dict[str, float]]) -> dict[str, float]:
-    """Validate config, open the MLflow run, run `body`, write metrics; exit 2 on user errors."""
+def run_stage(
+    stage: str,
+    cfg: DictConfig,
+    body: Callable[[StageContext], dict[str, float]],
+    resume_run: Callable[[PipelineConfig, Paths], str | None] | None = None,
+) -> dict[str, float]:
+    """Validate config, open the MLflow run, run `body`, write metrics; exit 2 on user errors.
+
+    `resume_run` may name an existing MLflow run to reopen instead of starting one (a training
+    run resumed from a checkpoint keeps logging to its run). Under torchrun only rank 0 tracks
+    and writes metrics.
+    """
+    primary = int(os.environ.get("RANK", "0")) == 0
     try:
         typed = typed_config(cfg)
     except PipelineError as e:
@@ -177,11 +196,16 @@ def run_stage(stage: str, cfg: DictConfig, body: Callable[[StageContext], dict[s
         out_dir, metrics_path, plots_dir = job_dir / stage, job_dir / "metrics.json", job_dir / "plots"
     else:
         out_dir, metrics_path, plots_dir = paths.stage_out(stage), paths.metrics(stage), paths.plots(stage)
-    run = _open_run(stage, typed, resolved, paths, sweep_dir)
+    try:
+        resume_id = resume_run(typed, paths) if resume_run is not None else None
+    except PipelineError as e:
+        fail(str(e))
+    run = _open_run(stage, typed, resolved, paths, sweep_dir, resume_id) if primary else None
     ctx = StageContext(stage, typed, resolved, paths, out_dir, metrics_path, plots_dir, run)
     try:
         metrics = body(ctx)
-        write_json(metrics_path, metrics)
+        if primary:
+            write_json(metrics_path, metrics)
         if run is not None:
             run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
             config_file = write_text(out_dir.parent / f".{stage}-config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -192,8 +216,8 @@ def run_stage(stage: str, cfg: DictConfig, body: Callable[[StageContext], dict[s
     except PipelineError as e:
         if run is not None:
             run.set_tags({"error": str(e)})
-            run.end("FAILED")
-        fail(str(e))
+            run.end(getattr(e, "mlflow_status", "FAILED"))
+        fail(str(e), getattr(e, "exit_code", 2))
     except BaseException:
         if run is not None:
             run.end("KILLED" if not isinstance(sys.exc_info()[1], Exception) else "FAILED")
@@ -201,10 +225,16 @@ def run_stage(stage: str, cfg: DictConfig, body: Callable[[StageContext], dict[s
     return metrics
 
 
-def _open_run(stage: str, cfg: PipelineConfig, resolved: dict, paths: Paths, sweep_dir: str | None) -> Run | None:
+def _open_run(
+    stage: str, cfg: PipelineConfig, resolved: dict, paths: Paths, sweep_dir: str | None, resume_id: str | None = None
+) -> Run | None:
     if not cfg.tracking.enabled:
         return None
     tracker = Tracker(default_tracking_uri(paths.root), cfg.tracking.experiment, paths.root / "mlartifacts")
+    if resume_id is not None and tracker.exists(resume_id):
+        run = tracker.resume(resume_id)  # params were logged when it started
+        run.set_tags({"resumed": "true"})
+        return run
     tags = {
         "stage": stage,
         "recipe": cfg.recipe.name,

@@ -1,22 +1,43 @@
-"""train: the one training loop, from the realized weights on the packed data."""
+"""train: the one training loop, from the realized weights on the packed data.
+
+Checkpoints go to `<train.checkpoint_dir>/<config key>/` (outside DVC's outs, which DVC deletes
+before re-running the stage); with `train.resume=auto` a re-run continues from the newest valid
+one and reopens the MLflow run it was logging to. Under torchrun every rank runs this; rank 0
+alone tracks and writes.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.atomic import write_text
-from pipeline.train import run_train
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from pipeline.config import PipelineConfig
+from pipeline.distributed import is_main_process
+from pipeline.train import CheckpointPlan, plan_checkpoints, run_train
+from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, run_stage
 
 
-def body(ctx: StageContext) -> dict[str, float]:
+def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
+    root = Path(cfg.train.checkpoint_dir)
+    root = root if root.is_absolute() else paths.root / root
+    return plan_checkpoints(cfg.train, cfg.optim, cfg.seed, paths.init, paths.packed, root)
+
+
+def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     cfg = ctx.cfg
     ctx.add_input("init", ctx.paths.init / "model.safetensors")
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
+    if plan.resume is not None and is_main_process():
+        print(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
+    flush = ctx.run.flush if ctx.run is not None else None
     result = run_train(
-        cfg.train, cfg.optim, cfg.seed, ctx.paths.init, ctx.paths.packed, ctx.out_dir, ctx.log, ctx.run_id
+        cfg.train, cfg.optim, cfg.seed, ctx.paths.init, ctx.paths.packed, ctx.out_dir, ctx.log, ctx.run_id, plan, flush
     )
+    if not is_main_process():
+        return {}
     train_rows = ["step\ttrain_loss"] + [f"{int(h['step'])}\t{h['train_loss']:.6f}" for h in result.history]
     val_rows = ["step\tval_loss"] + [
         f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h
@@ -38,12 +59,20 @@ def body(ctx: StageContext) -> dict[str, float]:
         "tokens_seen": float(result.tokens_seen),
         "seconds": result.seconds,
         "tokens_per_second": sorted(tps)[len(tps) // 2],
+        "resumed_from": float(result.resumed_from),
+        "skipped_steps": float(result.skipped_steps),
     }
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> None:
-    run_stage("train", cfg, body)
+    plans: list[CheckpointPlan] = []  # found before the MLflow run opens, used by the body
+
+    def resume_run(typed: PipelineConfig, paths: Paths) -> str | None:
+        plans.append(checkpoint_plan(typed, paths))
+        return plans[0].run_id
+
+    run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
 
 
 if __name__ == "__main__":

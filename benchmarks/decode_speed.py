@@ -1,0 +1,142 @@
+"""Greedy decode speed of our model vs llama.cpp (llama-cpp-python) on the SmolLM2 GGUF, side by side.
+
+    python benchmarks/decode_speed.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--prompt "..."]
+
+Both decode the same prompt ids (our tokenizer) for the same number of new tokens, greedily, on
+the same number of threads, after a warm-up; runs are interleaved (ours fp32, ours bf16,
+llama.cpp) and the median of the repeats is reported, because the machine is shared. Decode rate
+= tokens after the first over their time (llama.cpp's "eval" rate); prefill = prompt pass + first
+token. Threads default to 1: on a shared 2-core machine, 2 threads of either engine wait at
+OpenMP / ggml barriers while other jobs hold a core, and both rates collapse.
+
+Agreement: "same leading ids" = how many leading greedy ids equal llama.cpp's (one near-tie flips
+the rest); "teacher-forced" = at how many of llama.cpp's positions our argmax is llama.cpp's id
+when fed llama.cpp's prefix. Ours runs dequantized fp32/bf16 weights, llama.cpp the Q4_1 weights
+with quantized activations, so near-ties can go either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from pipeline.architectures import load_gguf
+from pipeline.generate import Sampling, stream_ids
+from pipeline.gguf_io import resolve_gguf_path
+from pipeline.tokenizer import tokenizer_from_gguf
+
+PROMPT = "The history of the Python programming language begins"
+
+
+def timed(stream: Iterator[int], n: int) -> tuple[list[int], float, float]:
+    """(ids, prefill seconds, decode seconds) of the first `n` ids of `stream`."""
+    ids: list[int] = []
+    start = time.perf_counter()
+    first = start
+    for tok in stream:
+        if not ids:
+            first = time.perf_counter()
+        ids.append(int(tok))
+        if len(ids) >= n:
+            break
+    end = time.perf_counter()
+    return ids, first - start, end - first
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def teacher_forced_agreement(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> int:
+    """How many of llama.cpp's greedy ids are also our argmax when fed llama.cpp's own prefix:
+    a per-position check that does not compound after one near-tie flips."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + ref_ids[:-1]]))[0, len(prompt_ids) - 1 :]
+    return int((logits.float().argmax(-1) == torch.tensor(ref_ids)).sum())
+
+
+def bench(
+    threads: int, models: dict[str, torch.nn.Module], path: str, prompt_ids: list[int], n: int, repeats: int
+) -> dict[str, list[tuple[list[int], float, float]]]:
+    """Interleaved timed runs of each of our models and llama.cpp, all on `threads` threads."""
+    from llama_cpp import Llama as LlamaCpp  # the peer; not a project dependency
+
+    torch.set_num_threads(threads)
+    peer = LlamaCpp(path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+
+    def ours(m: torch.nn.Module) -> Callable[[int], tuple[list[int], float, float]]:
+        return lambda k: timed(stream_ids(m, prompt_ids, Sampling(temperature=0.0)), k)
+
+    def llama_cpp(k: int) -> tuple[list[int], float, float]:
+        peer.reset()  # no prompt-prefix reuse between runs
+        return timed(peer.generate(prompt_ids, temp=0.0, repeat_penalty=1.0), k)
+
+    runners = {name: ours(m) for name, m in models.items()} | {"llama.cpp": llama_cpp}
+    for run in runners.values():  # warm-up: allocator, oneDNN / ggml kernels, mmap pages
+        run(8)
+    results: dict[str, list[tuple[list[int], float, float]]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            results[name].append(run(n))
+    peer.close()
+    return results
+
+
+def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> None:
+    print(f"\n{threads} thread(s): decode tok/s = (n-1)/decode time, median of {len(results['llama.cpp'])} runs")
+    head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced")
+    print(f"{'':10} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}")
+    ref_ids = results["llama.cpp"][0][0]
+    ref_rate = statistics.median((n - 1) / d for _, _, d in results["llama.cpp"])
+    for name, runs in results.items():
+        rate = statistics.median((n - 1) / d for _, _, d in runs)
+        prefill = statistics.median(p for _, p, _ in runs)
+        lead = common_prefix(runs[0][0], ref_ids)
+        forced = teacher_forced_agreement(models[name], prompt_ids, ref_ids) if name in models else n
+        print(f"{name:10} {rate:12.1f} {prefill:10.3f} {rate / ref_rate:11.3f}x {lead:>11}/{n} {forced:>11}/{n}")
+    print(f"llama.cpp text: {tok.decode(ref_ids)!r}")
+    for name in models:
+        if results[name][0][0] != ref_ids:
+            print(f"{name} text: {tok.decode(results[name][0][0])!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--no-bf16", action="store_true", help="skip our bf16 run")
+    args = ap.parse_args()
+
+    path = resolve_gguf_path("smollm2")
+    model, g = load_gguf(path)
+    tok = tokenizer_from_gguf(g)
+    prompt_ids = tok.encode(args.prompt)
+    if tok.add_bos and tok.bos_id is not None:
+        prompt_ids = [tok.bos_id, *prompt_ids]
+    models = {"ours fp32": model.eval()}
+    if not args.no_bf16:
+        models["ours bf16"] = load_gguf(path)[0].eval().to(torch.bfloat16)
+    print(f"SmolLM2-135M-Instruct (Q4_1 GGUF), prompt {args.prompt!r} ({len(prompt_ids)} tokens), {args.new_tokens}")
+    print(f"new tokens, greedy; ours = dequantized weights in torch {torch.__version__}, peer = llama-cpp-python")
+    peer_mb = sum(g.tensor_info(name).n_bytes for name in g.tensor_names()) / 1e6
+    ours_mb = {name: sum(p.numel() * p.element_size() for p in m.parameters()) / 1e6 for name, m in models.items()}
+    sizes = "; ".join(f"{name} {mb:.0f} MB" for name, mb in ours_mb.items())
+    print(f"weights read per token: {sizes}; llama.cpp {peer_mb:.0f} MB (Q4_1 blocks, Q8_0 embedding/head)")
+    for threads in args.threads:
+        results = bench(threads, models, str(path), prompt_ids, args.new_tokens, args.repeats)
+        report(threads, results, models, prompt_ids, args.new_tokens, tok)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Training throughput: our train step vs a transformers `LlamaForCausalLM` train step, side by side.
+
+    python benchmarks/train_throughput.py [--vocab 49152 8192] [--steps 3] [--rounds 3] [--warmup 2]
+                                          [--compile off|on] [--threads N] [--batch 8] [--seq 256]
+
+Both models have the same shape (d_model 256, 4 layers, 4 heads, ffn 688, tied embeddings; seq
+256, batch 8 by default), both steps are the same loop: bf16 autocast forward + loss, backward,
+grad-norm clip at 1.0, fused AdamW (our `make_optimizer`, weight decay on matrices), zero_grad.
+Ours calls `Llama.loss` (chunked linear cross-entropy); theirs `model(input_ids, labels=...)`
+(transformers' own loss, sdpa attention). After `--warmup` steps each, rounds alternate ours /
+theirs (the machine is shared, so the median over rounds of each round's median step is
+reported). MFU = model FLOPs per token (6 x matmul parameters incl. the head, plus 6 x layers x
+seq x d_model for causal attention) x tokens/s over the bf16 matmul peak measured here on square
+and head-shaped matmuls. Peak RSS is the process's high-water mark (VmHWM, reset before each
+timed segment after a malloc_trim) while that contender's steps run; both models live in the one
+process, so both numbers include both models' weights (the `+` figure is the rise over the
+segment's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pipeline.config import OptimConfig
+from pipeline.model import Llama, TransformerConfig, init_weights
+from pipeline.train import compile_blocks, make_optimizer
+
+D_MODEL, N_LAYER, N_HEAD, D_FF = 256, 4, 4, 688
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Return freed memory to the OS, reset the high-water mark; the current RSS (KiB)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return rss_kib("VmRSS")
+
+
+def matmul_peak(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best FLOP/s of square and head-shaped matmuls in `dtype` on this machine's threads."""
+    shapes = [(2048, 2048, 2048), (4096, 4096, 4096), (2048, 256, 8192), (2048, 8192, 256)]
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+    return best
+
+
+def flops_per_token(vocab: int, seq: int) -> float:
+    block = 4 * D_MODEL * D_MODEL + 3 * D_MODEL * D_FF
+    return 6 * (N_LAYER * block + vocab * D_MODEL) + 6 * N_LAYER * seq * D_MODEL
+
+
+def step_fn(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> Callable[[], float]:
+    """The one training step both contenders run."""
+    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
+
+    def step() -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def ours(vocab: int, x: torch.Tensor, y: torch.Tensor, compile_: bool) -> Callable[[], float]:
+    cfg = TransformerConfig(vocab, D_MODEL, N_LAYER, N_HEAD, N_HEAD, D_FF, context_length=x.shape[1])
+    model = Llama(cfg)
+    init_weights(model, 0.02, 0)
+    model.train()
+    if compile_:
+        compile_blocks(model)
+    return step_fn(model, lambda: model.loss(x, y))
+
+
+def theirs(vocab: int, x: torch.Tensor) -> Callable[[], float]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=D_MODEL,
+        intermediate_size=D_FF,
+        num_hidden_layers=N_LAYER,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_HEAD,
+        max_position_embeddings=x.shape[1],
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    return step_fn(model, lambda: model(input_ids=x, labels=x).loss)
+
+
+def timed(step: Callable[[], float], n: int) -> tuple[float, float]:
+    """(median seconds per step, last loss)."""
+    times, loss = [], float("nan")
+    for _ in range(n):
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), loss
+
+
+def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    contenders = {"ours": ours(vocab, x, y, args.compile == "on"), "transformers": theirs(vocab, x)}
+    warm = {}
+    for name, step in contenders.items():
+        t = time.perf_counter()
+        for _ in range(args.warmup):
+            step()
+        warm[name] = time.perf_counter() - t
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    peaks: dict[str, int] = dict.fromkeys(contenders, 0)
+    rises: dict[str, int] = dict.fromkeys(contenders, 0)
+    losses: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, step in contenders.items():
+            start = reset_peak_rss()
+            dt, losses[name] = timed(step, args.steps)
+            times[name].append(dt)
+            hwm = rss_kib("VmHWM")
+            peaks[name] = max(peaks[name], hwm)
+            rises[name] = max(rises[name], hwm - start)
+    tokens = args.batch * args.seq
+    fpt = flops_per_token(vocab, args.seq)
+    print(f"\nvocab {vocab}: batch {args.batch} x seq {args.seq} = {tokens} tokens/step, {fpt / 1e6:.1f} MFLOP/token")
+    rate = {}
+    for name in contenders:
+        dt = statistics.median(times[name])
+        rate[name] = tokens / dt
+        print(
+            f"  {name:13s} {dt * 1e3:8.0f} ms/step  {rate[name]:8.0f} tok/s  MFU {rate[name] * fpt / peak:6.1%}  "
+            f"peak RSS {peaks[name] / 1024:6.0f} MiB (+{rises[name] / 1024:.0f})  warm-up {warm[name]:.1f}s  "
+            f"loss {losses[name]:.3f}  rounds {', '.join(f'{t * 1e3:.0f}' for t in times[name])} ms"
+        )
+    print(f"  ratio ours/transformers: {rate['ours'] / rate['transformers']:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[49152, 8192])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compile", choices=["off", "on"], default="off", help="torch.compile our blocks")
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peak = matmul_peak(torch.bfloat16)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; measured bf16 matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    for vocab in args.vocab:
+        run(vocab, args, peak)
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f} (other processes share this machine)")
+
+
+if __name__ == "__main__":
+    main()

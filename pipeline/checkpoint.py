@@ -1,0 +1,229 @@
+"""Training checkpoints that survive a crash: atomic step directories, checksums, newest-valid lookup.
+
+Layout: `<checkpoint_dir>/<key>/step-<N>/` where `key` hashes everything that must match for a
+resume to continue the same run (model shape, initial weights, data, seed, the trajectory-shaping
+train/optim settings), so `train.resume=auto` only ever sees compatible checkpoints. A step
+directory is written as a temp sibling and renamed into place, and its `state.json` (written
+last) lists a sha256 per file: a checkpoint is valid only if every file is there with that hash.
+A crash mid-write leaves a temp directory (ignored, removed later) and the previous checkpoints
+intact. The directory lives outside DVC's outs, because DVC deletes a stage's outs before it
+re-runs the stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import atomic_dir
+from pipeline.errors import PipelineError, problem
+
+FORMAT = 1
+STATE_FILE = "state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TEMP_DIR = re.compile(r"^\.step-\d+\.(?:tmp|old)-(\d+)$")
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint is missing, corrupt, or from a different configuration."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(paths: list[Path]) -> str:
+    """sha256 (first 16 hex) over files' names and contents: identifies initial weights and data."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(Path(p).name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()[:16]
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_key(compat: dict[str, Any]) -> str:
+    """The directory name for one resumable configuration."""
+    return hashlib.sha256(json.dumps(flatten(compat), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key (checkpoint X, now Y)` for every flattened key whose value differs."""
+    a, b = flatten(saved), flatten(current)
+    return [
+        f"{k} (checkpoint {a.get(k, '<absent>')!r}, now {b.get(k, '<absent>')!r})"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated step directory and its state."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def run_id(self) -> str | None:
+        return self.state.get("mlflow_run_id")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of the finished step directories under `root`, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def validate(path: Path) -> Checkpoint:
+    """The checkpoint at `path`, or CheckpointError naming what is wrong with it."""
+    path = Path(path)
+    state_path = path / STATE_FILE
+    try:
+        state = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(problem(str(state_path), "a checkpoint state file", "no such file", _FIX)) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(problem(str(state_path), "valid JSON", f"{type(e).__name__}", _FIX)) from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(problem(str(state_path), f"format {FORMAT}", repr(state.get("format")), _FIX))
+    for name, digest in state.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(problem(str(f), "a checkpoint file", "no such file", _FIX))
+        if sha256_file(f) != digest:
+            raise CheckpointError(problem(str(f), f"sha256 {digest[:12]}...", "a different checksum (corrupt)", _FIX))
+    return Checkpoint(path, state)
+
+
+_FIX = "it is skipped; delete it, or resume from an older checkpoint"
+
+
+def newest_valid(root: Path, report: Callable[[str], None] | None = None) -> Checkpoint | None:
+    """The newest checkpoint under `root` that validates; each corrupt newer one is reported."""
+    report = report or _warn
+    for _, path in step_dirs(root):
+        try:
+            return validate(path)
+        except CheckpointError as e:
+            report(f"corrupt checkpoint, using the one before it: {e}")
+    return None
+
+
+def resolve(path: Path, report: Callable[[str], None] | None = None) -> Checkpoint:
+    """An explicit `train.resume=<dir>`: a step directory, or a config directory (its newest valid)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return validate(path)
+    found = newest_valid(path, report)
+    if found is None:
+        raise CheckpointError(
+            problem(
+                "config key train.resume",
+                "a checkpoint directory (step-N/ with state.json, or a directory of them)",
+                str(path),
+                "point train.resume at checkpoints/<key>/step-N or use train.resume=auto",
+            )
+        )
+    return found
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(root: Path, step: int, writers: dict[str, Callable[[Path], None]], state: dict[str, Any], keep: int) -> Path:
+    """Write one checkpoint atomically, then keep only the newest `keep` (by step) under `root`.
+
+    `writers` maps file names to functions writing that file; `state` (JSON) is written last with
+    a checksum per file, so a directory without a matching state is never taken for a checkpoint.
+    """
+    root = Path(root)
+    remove_stale_temps(root)
+    final = root / step_name(step)
+    with atomic_dir(final) as tmp:
+        files = {}
+        for name, writer in writers.items():
+            writer(tmp / name)
+            _fsync(tmp / name)
+            files[name] = sha256_file(tmp / name)
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "format": FORMAT, "step": step, "files": files}) + "\n")
+        _fsync(tmp / STATE_FILE)
+    _fsync(root)
+    prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` step directories."""
+    for _, path in step_dirs(root)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_newer(root: Path, step: int) -> None:
+    """Drop checkpoints past `step`: a fresh (`resume=never`) run supersedes an older run's."""
+    for s, path in step_dirs(root):
+        if s > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_temps(root: Path) -> None:
+    """Temp/old directories left by a process that died mid-write (its pid no longer runs)."""
+    if not Path(root).is_dir():
+        return
+    for p in Path(root).iterdir():
+        m = _TEMP_DIR.match(p.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

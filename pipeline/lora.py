@@ -1,0 +1,310 @@
+"""LoRA adapters on a frozen base: attach, train only the adapters, merge, save/load their tensors.
+
+A target layer `W` (nn.Linear, or QLoRA's `QuantLinear`) is wrapped as
+`y = W x + (alpha / r) * B A dropout(x)`, with A (r, in) random and B (out, r) zero, so the
+wrapped model computes exactly the base's function at step 0. Everything else is frozen: only
+A and B require grad, so an optimizer built from `p.requires_grad` parameters holds nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import ConfigError, GGUFError, PipelineError, problem
+
+# short target name -> the layer's path inside `blocks.{i}`
+TARGETS: dict[str, str] = {
+    "q": "attn.wq",
+    "k": "attn.wk",
+    "v": "attn.wv",
+    "o": "attn.wo",
+    "gate": "ffn.gate",
+    "up": "ffn.up",
+    "down": "ffn.down",
+}
+SUPPORTED_ARCHS = ("llama",)
+
+
+class AdapterError(PipelineError):
+    """An adapter does not fit the model it is applied to (names, shapes, rank)."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """What `attach_lora` adds: rank, scale (alpha / rank), dropout, target layers, init.
+
+    `init_scale` multiplies A's default init U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform);
+    B starts at zero whatever it is.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+    init_seed: int = 0
+    init_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(problem("config key lora.rank", "an integer >= 1", repr(self.rank), "set lora.rank=8"))
+        if not self.alpha > 0:
+            raise ConfigError(problem("config key lora.alpha", "a number > 0", repr(self.alpha), "set lora.alpha=16"))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(problem("config key lora.dropout", "in [0, 1)", repr(self.dropout), "set lora.dropout=0"))
+        if not self.init_scale >= 0:
+            raise ConfigError(
+                problem("config key lora.init_scale", "a number >= 0", repr(self.init_scale), "set lora.init_scale=1")
+            )
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(
+                problem(
+                    "config key lora.targets",
+                    f"a non-empty list of distinct names among {list(TARGETS)}",
+                    f"{list(self.targets)}" + (f" (unknown: {unknown})" if unknown else ""),
+                    "use e.g. lora.targets=[q,v]",
+                )
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + scaling * B(A(dropout(x)))`; `base` is frozen and untouched."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = int(base.in_features), int(base.out_features)
+        self.rank, self.alpha = rank, float(alpha)
+        self.scaling = self.alpha / rank
+        self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+        return self.base(x) + delta * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B @ A, the (out, in) update merging adds to the base weight (fp32)."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+    def base_weight(self) -> torch.Tensor:
+        """The base's fp32 weight (dequantized for QLoRA)."""
+        if hasattr(self.base, "dequantize"):
+            return self.base.dequantize()
+        return self.base.weight.float()
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}"
+
+
+def target_paths(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """`blocks.{i}.attn.wq` ... for every block and target, in block order."""
+    n = len(model.blocks)
+    return [f"blocks.{i}.{TARGETS[t]}" for i in range(n) for t in targets]
+
+
+def check_architecture(arch: str, where: str, recipe: str, error: type[PipelineError] = GGUFError) -> None:
+    """The recipes adapt llama-layout models only (the layer names above); `where` names the key."""
+    if arch not in SUPPORTED_ARCHS:
+        raise error(
+            problem(
+                where,
+                f"an architecture recipe={recipe} supports ({', '.join(SUPPORTED_ARCHS)})",
+                repr(arch),
+                "use a llama-architecture base GGUF",
+            )
+        )
+
+
+def freeze(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def attach_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Freeze `model` and wrap its target layers with adapters; returns the wrapped layers' paths."""
+    arch = getattr(getattr(model, "cfg", None), "arch", type(model).__name__)
+    check_architecture(arch, "model config arch", "lora", ConfigError)
+    paths = target_paths(model, cfg.targets)
+    for path in paths:
+        try:
+            layer = model.get_submodule(path)
+        except AttributeError:
+            layer = None
+        if layer is None or not hasattr(layer, "in_features") or isinstance(layer, LoRALinear):
+            found = "no such layer" if layer is None else type(layer).__name__
+            raise ConfigError(
+                problem(
+                    f"config key lora.targets ({path})",
+                    "a plain linear layer of the model",
+                    found,
+                    "target q,k,v,o,gate,up,down of a llama model without adapters attached",
+                )
+            )
+        width = min(int(layer.in_features), int(layer.out_features))
+        if cfg.rank > width:
+            raise ConfigError(
+                problem(
+                    "config key lora.rank",
+                    f"at most the width of {path} ({layer.out_features}x{layer.in_features}): {width}",
+                    str(cfg.rank),
+                    f"set lora.rank <= {width}",
+                )
+            )
+    freeze(model)
+    for path in paths:
+        parent_path, attr = path.rsplit(".", 1)
+        parent = model.get_submodule(parent_path)
+        base = getattr(parent, attr)
+        wrapped = LoRALinear(base, cfg.rank, cfg.alpha, cfg.dropout).to(_device(base))
+        _init_adapter(wrapped, cfg, path)
+        setattr(parent, attr, wrapped)
+    return paths
+
+
+def _device(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _init_adapter(layer: LoRALinear, cfg: LoRAConfig, path: str) -> None:
+    """A ~ U(-b, b) * init_scale with b = 1/sqrt(in) from a generator seeded by (seed, path); B = 0."""
+    g = torch.Generator().manual_seed(cfg.init_seed * 1_000_003 + zlib.crc32(path.encode()))
+    bound = 1.0 / math.sqrt(layer.in_features)
+    with torch.no_grad():
+        a = (torch.rand(layer.lora_A.shape, generator=g) * 2 - 1) * bound * cfg.init_scale
+        layer.lora_A.copy_(a)
+        layer.lora_B.zero_()
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """Wrapped layers by path (`blocks.0.attn.wq`), in module order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' A and B, the only parameters a LoRA run trains."""
+    return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
+
+
+def lora_config_of(model: nn.Module) -> dict[str, Any]:
+    """rank, alpha and targets of the attached adapters (all layers share them)."""
+    layers = lora_layers(model)
+    if not layers:
+        raise AdapterError(problem("model", "LoRA adapters attached", "none", "call attach_lora first"))
+    first = next(iter(layers.values()))
+    inverse = {v: k for k, v in TARGETS.items()}
+    targets = []
+    for path in layers:
+        short = inverse[path.split(".", 2)[2]]
+        if short not in targets:
+            targets.append(short)
+    return {"rank": first.rank, "alpha": first.alpha, "targets": [t for t in TARGETS if t in targets]}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`{path}.lora_A` / `{path}.lora_B` -> fp32 CPU copies (the whole trained state of a LoRA run)."""
+    out: dict[str, torch.Tensor] = {}
+    for path, m in lora_layers(model).items():
+        out[f"{path}.lora_A"] = m.lora_A.detach().float().cpu().clone()
+        out[f"{path}.lora_B"] = m.lora_B.detach().float().cpu().clone()
+    return out
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str = "adapter") -> None:
+    """Copy adapter tensors into the attached adapters; names and shapes must match exactly."""
+    layers = lora_layers(model)
+    expected = {f"{p}.lora_{x}": getattr(m, f"lora_{x}") for p, m in layers.items() for x in ("A", "B")}
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise AdapterError(
+            problem(
+                where,
+                f"tensors for the attached layers ({len(expected)})",
+                f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                f"{'...' if len(extra) > 3 else ''}",
+                "attach the adapter's own targets and rank to a base with the same layers",
+            )
+        )
+    for name, param in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise AdapterError(
+                problem(
+                    f"{where} tensor {name}",
+                    f"shape {tuple(param.shape)} (from the base model and rank)",
+                    f"shape {tuple(t.shape)}",
+                    "apply the adapter to the base model it was trained on",
+                )
+            )
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(state[name].to(param.dtype))
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its layer (W + scaling * B @ A, fp32) and remove the wrappers.
+
+    A QuantLinear base becomes a plain fp32 nn.Linear (its dequantized weight plus the delta), so
+    the merged model exports like any other.
+    """
+    for path, m in lora_layers(model).items():
+        with torch.no_grad():
+            w = m.base_weight() + m.delta_weight()
+        device = m.lora_A.device
+        merged = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+        merged.weight = nn.Parameter(w.to(device), requires_grad=False)
+        parent_path, attr = path.rsplit(".", 1)
+        setattr(model.get_submodule(parent_path), attr, merged)
+    return model
+
+
+def trainable_summary(model: nn.Module) -> dict[str, int]:
+    """Counts for logs: trainable vs total parameters (quantized blocks counted as weights)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    total += sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "dequantize"))
+    return {"trainable_params": int(trainable), "total_params": int(total)}
+
+
+def load_base(path: str | os.PathLike[str], recipe: str) -> tuple[nn.Module, Any]:
+    """The base model of a fine-tuning recipe, from a GGUF, and the open GGUFFile.
+
+    `lora`: fp32 dequantized and frozen; `qlora`: block matrices kept quantized (QuantLinear),
+    frozen; `full-finetune`: fp32, every parameter trainable.
+    """
+    from pipeline.gguf_io import GGUFFile
+
+    g = GGUFFile(path)
+    check_architecture(g.architecture, f"{g.path} general.architecture", recipe)
+    if recipe == "qlora":
+        from pipeline.quant import load_quantized_base
+
+        return load_quantized_base(g), g
+    if recipe not in ("lora", "full-finetune"):
+        raise ConfigError(
+            problem("config key recipe.name", "one of lora, qlora, full-finetune", repr(recipe), "pick a recipe")
+        )
+    from pipeline.convert import load_llama
+
+    model, g = load_llama(g)
+    if recipe == "lora":
+        freeze(model)
+    return model, g

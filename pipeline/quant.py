@@ -1,0 +1,267 @@
+"""QLoRA's frozen base: a GGUF's own quantized blocks kept in memory, dequantized per matmul in torch.
+
+`QuantLinear` holds a matrix as the GGUF stored it (scales as fp16, quants as packed uint8) and
+rebuilds the fp32 weight for each forward and backward matmul, so the fp32 matrix never outlives
+one matmul: autograd saves nothing of it (a custom Function re-dequantizes in backward; the base
+is frozen, so only the input gradient is needed). The torch dequantization reproduces
+`gguf.quants.dequantize` bit for bit in fp32 (same operations in the same order), so a QLoRA model
+computes exactly what the dequantized (LoRA) base computes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import GGUFError, problem
+from pipeline.gguf_io import GGUFFile
+
+# ggml type -> (block size in weights, block size in bytes)
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "F32": (1, 4),
+}
+SUPPORTED_TYPES = tuple(BLOCKS)
+
+
+def split_blocks(
+    raw: np.ndarray, ggml_type: str, shape: tuple[int, int], where: str = "tensor"
+) -> dict[str, torch.Tensor]:
+    """A tensor's raw bytes as named torch fields: `d` (and `m`) fp16 scales, `qs`/`qh` packed uint8, or `w`.
+
+    Copies off the mmap (the fields are small: the quantized size of the matrix).
+    """
+    if ggml_type not in BLOCKS:
+        raise GGUFError(
+            problem(
+                where,
+                f"a tensor type QLoRA keeps quantized ({', '.join(SUPPORTED_TYPES)})",
+                ggml_type,
+                "use recipe=lora (it dequantizes any type gguf-py knows), or a Q4_0/Q4_1/Q8_0 GGUF",
+            )
+        )
+    per_block, nbytes = BLOCKS[ggml_type]
+    out_f, in_f = shape
+    if in_f % per_block or raw.size != out_f * in_f // per_block * nbytes:
+        raise GGUFError(
+            problem(where, f"{out_f}x{in_f} weights of {ggml_type}", f"{raw.size} bytes", "the file is inconsistent")
+        )
+    if per_block == 1:
+        dtype = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32}[ggml_type]
+        w = torch.from_numpy(np.array(raw.view(dtype).reshape(out_f, in_f)))
+        return {"w": w.view(torch.bfloat16) if ggml_type == "BF16" else w}
+    blocks = raw.reshape(-1, nbytes)
+    fields: dict[str, torch.Tensor] = {}
+    offset = 0
+    layout = {
+        "Q4_0": (("d", 2), ("qs", 16)),
+        "Q4_1": (("d", 2), ("m", 2), ("qs", 16)),
+        "Q5_0": (("d", 2), ("qh", 4), ("qs", 16)),
+        "Q5_1": (("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
+        "Q8_0": (("d", 2), ("qs", 32)),
+    }[ggml_type]
+    for name, size in layout:
+        part = np.array(blocks[:, offset : offset + size])  # contiguous copy
+        offset += size
+        if name in ("d", "m"):
+            fields[name] = torch.from_numpy(part.view(np.float16).reshape(-1))
+        elif ggml_type == "Q8_0":
+            fields[name] = torch.from_numpy(part.view(np.int8))
+        else:
+            fields[name] = torch.from_numpy(part)
+    return fields
+
+
+def dequantize(ggml_type: str, fields: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """The fp32 matrix of `shape`, with gguf-py's arithmetic (so equal to its output bit for bit)."""
+    if "w" in fields:
+        return fields["w"].float()
+    d = fields["d"].float().unsqueeze(1)
+    if ggml_type == "Q8_0":
+        return fields["qs"].float().mul_(d).reshape(shape)
+    qs = fields["qs"]
+    q = torch.empty((qs.shape[0], 32), dtype=torch.uint8, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=q[:, :16])  # 16 low nibbles, then 16 high nibbles
+    torch.bitwise_right_shift(qs, 4, out=q[:, 16:])
+    if ggml_type in ("Q5_0", "Q5_1"):
+        bits = torch.arange(8, dtype=torch.uint8, device=qs.device)
+        qh = ((fields["qh"].unsqueeze(-1) >> bits) & 1).reshape(q.shape)  # bit j of the LE uint32 -> weight j
+        q |= qh << 4
+    if ggml_type in ("Q4_0", "Q5_0"):
+        w = (q.view(torch.int8) - (8 if ggml_type == "Q4_0" else 16)).float().mul_(d)
+    else:
+        w = q.float().mul_(d).add_(fields["m"].float().unsqueeze(1))  # (d * q) + m, rounded per op as gguf-py
+    return w.reshape(shape)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x @ W.T with W rebuilt from the blocks in forward and again in backward (never saved)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        ctx.layer, ctx.dtype, ctx.x_dtype = layer, dtype, x.dtype
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.to(dtype), layer.dequantize().to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.layer.dequantize().to(ctx.dtype)
+        return (grad.to(ctx.dtype) @ w).to(ctx.x_dtype), None
+
+
+class QuantLinear(nn.Module):
+    """A frozen bias-free linear layer whose weight stays in its GGUF block format."""
+
+    def __init__(self, in_features: int, out_features: int, ggml_type: str, fields: dict[str, torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        for name, t in fields.items():
+            self.register_buffer(name, t)
+        self._field_names = tuple(fields)
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile, name: str) -> QuantLinear:
+        raw, ggml_type, shape = g.raw_tensor(name)
+        if len(shape) != 2:
+            raise GGUFError(
+                problem(f"{g.path} tensor {name}", "a matrix", f"shape {shape}", "the file is inconsistent")
+            )
+        fields = split_blocks(raw, ggml_type, shape, f"{g.path} tensor {name}")
+        return cls(shape[1], shape[0], ggml_type, fields)
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in self._field_names}
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 (out, in) weight; rebuilt on every call."""
+        return dequantize(self.ggml_type, self.fields(), (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DequantLinear.apply(x, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type}"
+
+
+def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
+    """A llama GGUF as our module with every block matrix a frozen `QuantLinear` (its own blocks).
+
+    Embedding table, norms and (untied) head are dequantized to fp32 as `load_gguf` does; nothing
+    else is ever materialised in fp32 (the module is built on the meta device first).
+    """
+    from pipeline.convert import BLOCK_TENSORS, config_from_gguf
+    from pipeline.model import Llama
+
+    g = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    cfg = config_from_gguf(g)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    for i, block in enumerate(model.blocks):
+        for ours, theirs in BLOCK_TENSORS.items():
+            path = ours.removesuffix(".weight")
+            if "norm" in path:
+                continue
+            parent_path, attr = path.rsplit(".", 1)
+            layer = QuantLinear.from_gguf(g, f"blk.{i}.{theirs}")
+            old = block.get_submodule(path)
+            if (layer.out_features, layer.in_features) != (old.out_features, old.in_features):
+                raise GGUFError(
+                    problem(
+                        f"{g.path} tensor blk.{i}.{theirs}",
+                        f"shape {(old.out_features, old.in_features)}",
+                        f"shape {(layer.out_features, layer.in_features)}",
+                        "the file is inconsistent",
+                    )
+                )
+            setattr(block.get_submodule(parent_path), attr, layer)
+    dense = {"tok_embd.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not cfg.tie_embeddings:
+        dense["head.weight"] = "output.weight"
+    for i in range(cfg.n_layer):
+        for norm in ("attn_norm", "ffn_norm"):
+            dense[f"blocks.{i}.{norm}.weight"] = f"blk.{i}.{norm}.weight"
+    for ours, theirs in dense.items():
+        parent, attr = ours.rsplit(".", 1)
+        module = model.get_submodule(parent)
+        arr = g.tensor(theirs)
+        old = getattr(module, attr)
+        if tuple(arr.shape) != tuple(old.shape):
+            raise GGUFError(
+                problem(f"{g.path} tensor {theirs}", f"shape {tuple(old.shape)}", f"shape {arr.shape}", "re-export it")
+            )
+        setattr(module, attr, nn.Parameter(torch.from_numpy(arr)))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Replace every QuantLinear by a frozen fp32 nn.Linear of its dequantized weight (in place)."""
+    quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    for name, m in quantized:
+        dense = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+        dense.weight = nn.Parameter(m.dequantize(), requires_grad=False)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, dense)
+    return model
+
+
+def quantized_nbytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held as quantized blocks vs as dense parameters, for reports."""
+    quant = sum(
+        b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()
+    )
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"quantized_bytes": int(quant), "dense_bytes": int(dense)}
+
+
+def write_quantized_gguf(
+    path: str | os.PathLike[str], arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray], qtype: str
+) -> Path:
+    """A GGUF whose matrices are quantized to `qtype` with gguf-py (norms stay f32), written atomically.
+
+    For making quantized bases (tests, benchmarks) from any model we can export.
+    """
+    import gguf
+
+    from pipeline.gguf_io import TypedValue, _array_type, _value_type
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        for key, value in metadata.items():
+            if isinstance(value, TypedValue):
+                sub = None if value.sub_type is None else gguf.GGUFValueType(value.sub_type)
+                writer.add_key_value(key, value.value, gguf.GGUFValueType(value.vtype), sub)
+            else:
+                writer.add_key_value(key, value, _value_type(value), _array_type(value))
+        for name, arr in tensors.items():
+            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            if arr.ndim == 2:
+                writer.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+            else:
+                writer.add_tensor(name, arr)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

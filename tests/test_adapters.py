@@ -1,0 +1,219 @@
+"""Adapter exports agree with our base+adapter: the merged GGUF, transformers+PEFT, and llama.cpp's
+--lora on the base GGUF; adapters that do not fit a base fail with the tensor named."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.adapters import (
+    apply_adapter,
+    export_merged_gguf,
+    read_adapter_gguf,
+    read_peft_adapter,
+    save_adapter_gguf,
+    save_peft_adapter,
+)
+from pipeline.convert import donor_tokenizer_metadata, export_llama, gguf_tensors, llama_metadata, load_llama
+from pipeline.errors import GGUFError
+from pipeline.gguf_io import GGUFFile
+from pipeline.lora import AdapterError, LoRAConfig, attach_lora, load_base, lora_layers
+from pipeline.model import Llama, TransformerConfig, init_weights
+from pipeline.quant import write_quantized_gguf
+
+CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+RANK, ALPHA = 4, 8.0
+
+
+@dataclass
+class Setup:
+    dir: Path
+    base_path: Path  # with the SmolLM2 tokenizer, for transformers and llama.cpp
+    plain_path: Path  # the same weights without tokenizer metadata: quick for our own reader
+    model: Llama  # base + adapter (non-trivial B)
+    tok_meta: dict
+    x: torch.Tensor
+
+
+def randomize_b(model: torch.nn.Module, seed: int = 1, std: float = 0.5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_layers(model).values():
+            m.lora_B.normal_(0.0, std, generator=g)
+
+
+def logprobs(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(x).double(), -1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, smollm2: GGUFFile) -> Setup:
+    d = tmp_path_factory.mktemp("adapters")
+    base = Llama(CFG)
+    init_weights(base, 0.05, 0)
+    tok_meta = donor_tokenizer_metadata(smollm2)
+    base_path = export_llama(base, d / "base.gguf", tok_meta, {"general.name": "tiny-base"}, "f32")
+    plain_path = export_llama(base, d / "plain.gguf", {}, {"general.name": "tiny-base"}, "f32")
+    model, _ = load_base(plain_path, "lora")
+    attach_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=ALL))
+    randomize_b(model)
+    model.eval()
+    x = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    return Setup(d, base_path, plain_path, model, tok_meta, x)
+
+
+def test_adapter_changes_the_model(setup: Setup) -> None:
+    base, _ = load_llama(setup.plain_path)
+    assert (logprobs(base, setup.x) - logprobs(setup.model, setup.x)).abs().max() > 0.5
+
+
+def test_merged_export_equals_base_plus_adapter(setup: Setup) -> None:
+    path = export_merged_gguf(setup.model, setup.dir / "merged.gguf", {}, {"general.name": "merged"})
+    merged, g = load_llama(path)
+    diff = (logprobs(merged, setup.x) - logprobs(setup.model, setup.x)).abs().max().item()
+    assert diff < 1e-3
+    assert g.metadata["general.type"] == "model" and lora_layers(setup.model)  # the source model is untouched
+
+
+def test_gguf_adapter_layout_and_round_trip(setup: Setup) -> None:
+    path = save_adapter_gguf(setup.model, setup.dir / "adapter.gguf", {"general.name": "tiny-lora"})
+    g = GGUFFile(path)
+    assert g.architecture == "llama"
+    assert (g.metadata["general.type"], g.metadata["adapter.type"]) == ("adapter", "lora")
+    assert g.metadata["adapter.lora.alpha"] == ALPHA
+    assert len(g.tensor_names()) == 2 * 7 * CFG.n_layer
+    info = {n: g.tensor_info(n) for n in g.tensor_names()}
+    assert info["blk.0.attn_q.weight.lora_a"].shape == (RANK, 64)  # (r, in)
+    assert info["blk.0.attn_k.weight.lora_b"].shape == (32, RANK)  # (out, r), GQA: 2 kv heads x 16
+    assert info["blk.1.ffn_down.weight.lora_a"].shape == (RANK, 128)
+    assert info["blk.1.ffn_up.weight.lora_b"].shape == (128, RANK)
+    assert all(i.ggml_type == "F32" for i in info.values())
+    adapter = read_adapter_gguf(path)
+    assert (adapter.rank, adapter.alpha, adapter.targets) == (RANK, ALPHA, ALL)
+    again, _ = load_llama(setup.plain_path)
+    apply_adapter(again, adapter)
+    assert torch.equal(logprobs(again, setup.x), logprobs(setup.model, setup.x))
+
+
+@pytest.fixture(scope="module")
+def hf_base(setup: Setup):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(setup.dir), gguf_file="base.gguf", dtype=torch.float32)
+    return hf.eval()
+
+
+def test_peft_loads_our_adapter_with_equal_logprobs(setup: Setup, hf_base) -> None:
+    import peft
+
+    out = save_peft_adapter(setup.model, setup.dir / "peft", base_model=str(setup.base_path))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.PeftModel.from_pretrained(hf_base, str(out)).eval()
+    try:
+        with torch.no_grad():
+            theirs = torch.log_softmax(model(setup.x).logits.double(), -1)
+        diff = (theirs - logprobs(setup.model, setup.x)).abs().max().item()
+        assert diff < 1e-3
+        # without the q/k row permutation the adapter would compute something else
+        assert lora_layers(setup.model)["blocks.0.attn.wq"].lora_B.abs().sum() > 0
+    finally:
+        model.unload()
+
+
+def test_peft_saved_adapter_reads_back_into_ours(setup: Setup, hf_base, tmp_path: Path) -> None:
+    import peft
+
+    cfg = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "k_proj", "down_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(hf_base, cfg)
+    try:
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.5, generator=g)
+        model.eval()
+        model.save_pretrained(str(tmp_path))
+        with torch.no_grad():
+            theirs = torch.log_softmax(model(setup.x).logits.double(), -1)
+    finally:
+        model.unload()
+    adapter = read_peft_adapter(tmp_path, CFG)
+    assert (adapter.rank, adapter.alpha, adapter.targets) == (2, 6.0, ("q", "k", "down"))
+    ours, _ = load_llama(setup.plain_path)
+    apply_adapter(ours, adapter)
+    assert (logprobs(ours, setup.x) - theirs).abs().max().item() < 1e-3
+
+
+def _greedy(llama_cpp, n: int, prompt: list[int], **kwargs) -> list[int]:
+    llm = llama_cpp.Llama(n_ctx=64, n_threads=2, verbose=False, logits_all=True, **kwargs)
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def test_llamacpp_base_plus_gguf_adapter_equals_merged(setup: Setup) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    adapter = save_adapter_gguf(setup.model, setup.dir / "adapter_lc.gguf")
+    merged = export_merged_gguf(setup.model, setup.dir / "merged_lc.gguf", setup.tok_meta, {})
+    prompt = setup.x[0, :8].tolist()
+    with_lora = _greedy(llama_cpp, 12, prompt, model_path=str(setup.base_path), lora_path=str(adapter))
+    assert with_lora == _greedy(llama_cpp, 12, prompt, model_path=str(merged))
+    assert with_lora != _greedy(llama_cpp, 12, prompt, model_path=str(setup.base_path))
+
+
+def test_qlora_adapter_exports_match(setup: Setup) -> None:
+    """A QLoRA run's adapter applies to the dequantized base exactly; its merge is dense and equal."""
+    path = write_quantized_gguf(
+        setup.dir / "q8.gguf",
+        "llama",
+        {"general.type": "model", **llama_metadata(CFG, "f32")},
+        gguf_tensors(load_llama(setup.plain_path)[0]),
+        "Q8_0",
+    )
+    q, _ = load_base(path, "qlora")
+    attach_lora(q, LoRAConfig(rank=RANK, alpha=ALPHA, targets=("q", "v")))
+    randomize_b(q, seed=5)
+    adapter_path = save_adapter_gguf(q, setup.dir / "q_adapter.gguf")
+    dense, _ = load_base(path, "lora")
+    apply_adapter(dense, read_adapter_gguf(adapter_path))
+    assert torch.equal(logprobs(dense, setup.x), logprobs(q, setup.x))
+    merged, g = load_llama(export_merged_gguf(q, setup.dir / "q_merged.gguf", {}, {}))
+    assert g.tensor_info("blk.0.ffn_up.weight").ggml_type == "F32"
+    assert (logprobs(merged, setup.x) - logprobs(q, setup.x)).abs().max().item() < 1e-3
+
+
+# ----- bad input -----
+
+
+def test_adapter_on_base_with_other_shapes_names_the_tensor(setup: Setup, tmp_path: Path) -> None:
+    adapter = read_adapter_gguf(save_adapter_gguf(setup.model, tmp_path / "a.gguf"))
+    narrow = Llama(TransformerConfig(**{**CFG.__dict__, "d_model": 32, "d_ff": 64}))
+    with pytest.raises(
+        AdapterError, match=r"tensor blk\.0\.attn_q\.weight\.lora_a: expected shape \(4, 32\).*found shape \(4, 64\)"
+    ):
+        apply_adapter(narrow, adapter)
+    shallow = Llama(TransformerConfig(**{**CFG.__dict__, "n_layer": 1}))
+    with pytest.raises(AdapterError, match=r"tensor blk\.1\..*expected a layer index below the base's 1 layers"):
+        apply_adapter(shallow, adapter)
+
+
+def test_not_an_adapter_file_is_named(setup: Setup, tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=r"general.type: expected 'adapter', found 'model'"):
+        read_adapter_gguf(setup.plain_path)
+    with pytest.raises(AdapterError, match="adapter_config.json: expected a PEFT adapter file"):
+        read_peft_adapter(tmp_path, CFG)

@@ -1,0 +1,281 @@
+"""Instruction data: parsing with line-numbered errors, chat/plain formatting, response-only labels,
+truncation, packing with segment masks, and the default pydoc Q/A set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import ConfigError, DataError
+from pipeline.gguf_io import GGUFFile
+from pipeline.instruct import (
+    IGNORE_INDEX,
+    Example,
+    Formatter,
+    InstructConfig,
+    RowSampler,
+    build_instruct,
+    example_arrays,
+    load_packed,
+    masked_cross_entropy,
+    pack_examples,
+    pydoc_pairs,
+    read_instruct_jsonl,
+    save_packed,
+    segment_causal_mask,
+    truncate,
+    write_pydoc_instruct,
+)
+from pipeline.model import Llama, TransformerConfig, apply_rope, init_weights, rope_tables
+from pipeline.tokenizer import tokenizer_from_gguf
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2: GGUFFile):
+    return tokenizer_from_gguf(smollm2)
+
+
+@pytest.fixture(scope="module")
+def plain_meta(smollm2: GGUFFile) -> dict:
+    return {k: v for k, v in smollm2.metadata.items() if k != "tokenizer.chat_template"}
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def ex(prompt: str, response: str) -> Example:
+    return Example(({"role": "user", "content": prompt},), response, "test")
+
+
+# ----- reading -----
+
+
+def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"prompt": "2+2?", "response": "4"}),
+            "",
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Capital of France?"},
+                        {"role": "assistant", "content": "Paris."},
+                    ]
+                }
+            ),
+        ],
+    )
+    a, b = read_instruct_jsonl(path)
+    assert a.messages == ({"role": "user", "content": "2+2?"},) and a.response == "4"
+    assert [m["role"] for m in b.messages] == ["system", "user"] and b.response == "Paris."
+    assert b.where.endswith("line 3")
+
+
+@pytest.mark.parametrize(
+    ("line", "pattern"),
+    [
+        ("{not json", r"line 2: expected a JSON object, found invalid JSON"),
+        ('["a", "b"]', r"line 2: expected an object with string \"prompt\".*found list"),
+        ('{"prompt": "q"}', r"line 2: expected an object.*found keys \['prompt'\]"),
+        ('{"prompt": "q", "response": 3}', r"line 2: .*found keys \['prompt', 'response'\]"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', r"line 2: expected messages: a list of >= 2"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+            r"line 2: expected the last message from role 'assistant', found 'user'",
+        ),
+    ],
+)
+def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, pattern: str) -> None:
+    path = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "ok", "response": "fine"}), line])
+    with pytest.raises(DataError, match=pattern) as info:
+        read_instruct_jsonl(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+# ----- formatting -----
+
+
+def test_chat_template_formats_prompt_and_response(tok, smollm2: GGUFFile) -> None:
+    fmt = Formatter(tok, smollm2.metadata, InstructConfig())
+    prompt, response = fmt.texts(ex("What is 2+2?", "It is 4."))
+    assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert response == "It is 4.<|im_end|>\n"
+    p_ids, r_ids = fmt.encode(ex("What is 2+2?", "It is 4."))
+    assert tok.decode(p_ids + r_ids, skip_special=False) == prompt + response
+    assert tok.eos_id in r_ids  # <|im_end|> ends the turn, and is learned
+    assert not tok.add_bos and p_ids[0] == tok.token_to_id("<|im_start|>")
+
+
+def test_plain_template_when_the_gguf_has_none(tok, plain_meta: dict) -> None:
+    fmt = Formatter(tok, plain_meta, InstructConfig())
+    assert fmt.chat_template is None
+    prompt, response = fmt.texts(ex("Why?", "Because."))
+    assert (prompt, response) == ("Question: Why?\nAnswer: ", "Because.")
+    _, r_ids = fmt.encode(ex("Why?", "Because."))
+    assert r_ids[-1] == tok.eos_id
+    with pytest.raises(ConfigError, match="data.template=chat: expected a base GGUF with tokenizer.chat_template"):
+        Formatter(tok, plain_meta, InstructConfig(template="chat"))
+
+
+def test_labels_are_response_tokens_only() -> None:
+    x, y = example_arrays([5, 6, 7], [8, 9])
+    assert x.tolist() == [5, 6, 7, 8, 9]
+    assert y.tolist() == [IGNORE_INDEX, IGNORE_INDEX, 8, 9, IGNORE_INDEX]
+
+
+def test_loss_ignores_prompt_targets_and_sees_response_targets() -> None:
+    cfg = TransformerConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=32)
+    model = Llama(cfg)
+    init_weights(model, 0.2, 0)
+    prompt, response = [3, 14, 15, 9, 26], [5, 35, 8, 9]
+    x, labels = example_arrays(prompt, response)
+    x_t = torch.from_numpy(x)[None]
+    logits = model(x_t)
+    base = masked_cross_entropy(logits, torch.from_numpy(labels)[None])
+    # what the prompt positions would target (their next tokens) does not enter the loss
+    raw = np.append(x[1:], 0)
+    changed = raw.copy()
+    changed[: len(prompt) - 1] = [40, 41, 42, 43]
+    masked = np.where(np.arange(len(x)) >= len(prompt) - 1, changed, IGNORE_INDEX)
+    masked[-1] = IGNORE_INDEX
+    assert torch.equal(masked_cross_entropy(logits, torch.from_numpy(masked)[None]), base)
+    # a different response token changes it
+    other = labels.copy()
+    other[len(prompt)] = 44
+    assert not torch.equal(masked_cross_entropy(logits, torch.from_numpy(other)[None]), base)
+    # and gradients reach no prompt position's logits
+    logits = logits.detach().requires_grad_(True)
+    masked_cross_entropy(logits, torch.from_numpy(labels)[None]).backward()
+    assert logits.grad[0, : len(prompt) - 1].abs().sum() == 0 and logits.grad[0, len(prompt) - 1].abs().sum() > 0
+    # equal to plain cross-entropy over the response positions alone
+    sel = labels != IGNORE_INDEX
+    plain = F.cross_entropy(logits[0][torch.from_numpy(sel)], torch.from_numpy(labels[sel]))
+    torch.testing.assert_close(base, plain)
+
+
+# ----- truncation -----
+
+
+def test_truncation_cuts_the_prompt_start_and_keeps_bos() -> None:
+    cfg = InstructConfig(max_seq_len=6)
+    p, r, cut = truncate([1, 10, 11, 12, 13, 14], [20, 21, 22], cfg, bos_id=1, where="x")
+    assert (p, r, cut) == ([1, 13, 14], [20, 21, 22], True)
+    p, r, cut = truncate([10, 11], [20, 21], cfg, bos_id=1, where="x")
+    assert (p, r, cut) == ([10, 11], [20, 21], False)
+    # a response longer than the row keeps min_prompt_tokens of prompt and loses its end
+    p, r, cut = truncate(
+        [10, 11, 12], list(range(20, 30)), InstructConfig(max_seq_len=6, min_prompt_tokens=2), None, "x"
+    )
+    assert (p, r, cut) == ([11, 12], [20, 21, 22, 23], True)
+
+
+def test_response_empty_after_truncation_is_named() -> None:
+    with pytest.raises(DataError, match=r"d.jsonl line 4: expected a response with at least one token.*max_seq_len=4"):
+        truncate([10, 11], [], InstructConfig(max_seq_len=4), None, "d.jsonl line 4")
+    # no prompt left: the response's first token has nothing to be predicted from
+    with pytest.raises(DataError, match=r"found 0 \(prompt 0 tokens kept, response 1\)"):
+        truncate([], [20], InstructConfig(max_seq_len=4, min_prompt_tokens=0), None, "x")
+    with pytest.raises(ConfigError, match="data.min_prompt_tokens"):
+        InstructConfig(max_seq_len=4, min_prompt_tokens=4)
+
+
+def test_empty_plain_response_without_eos_is_an_error(tok, plain_meta: dict) -> None:
+    with pytest.raises(DataError, match="line 9"):
+        examples = [Example(({"role": "user", "content": "q"},), "", "f line 9")]
+        build_instruct(examples, tok, plain_meta, InstructConfig(append_eos=False))
+
+
+def test_build_counts_truncated_examples(tok, smollm2: GGUFFile) -> None:
+    long = " ".join(["word"] * 200)
+    examples = [ex("short?", "yes"), ex(long, "fine"), ex("again?", "no")]
+    packed = build_instruct(examples, tok, smollm2.metadata, InstructConfig(max_seq_len=64))
+    assert packed.stats["truncated"] == 1 and packed.stats["examples"] == 3
+    assert packed.input_ids.shape[1] == 64
+    # the learned tokens are the three whole responses, the truncated one's included
+    learned = tok.decode(packed.labels[packed.labels >= 0].tolist(), skip_special=False)
+    assert learned == "yes<|im_end|>\nfine<|im_end|>\nno<|im_end|>\n"
+
+
+# ----- packing and segment masks -----
+
+
+def test_packing_keeps_examples_whole_and_separate() -> None:
+    encoded = [example_arrays([1, 2], [3, 4]), example_arrays([5], [6, 7]), example_arrays([8, 9, 10], [11, 12])]
+    x, y, seg = pack_examples(encoded, seq_len=8, pad_id=0)
+    assert x.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 10, 11, 12, 0, 0, 0]]
+    assert seg.tolist() == [[1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
+    # no label crosses an example boundary; padding has none
+    assert y.tolist()[0] == [-100, 3, 4, -100, 6, 7, -100, -100]
+    x1, _, seg1 = pack_examples(encoded, seq_len=8, pad_id=0, pack=False)
+    assert x1.shape == (3, 8) and seg1.max() == 1
+
+
+def test_segment_mask_makes_packed_attention_equal_separate_attention() -> None:
+    seg = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+    mask = segment_causal_mask(seg)
+    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
+    assert mask[0, 0].int().tolist()[4] == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert mask[0, 0, 7].tolist() == [False] * 7 + [True]  # padding sees itself only
+    cfg = TransformerConfig(vocab_size=8, d_model=16, n_layer=1, n_head=2, n_kv_head=2, d_ff=16, context_length=16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cos, sin = (t.double() for t in rope_tables(cfg, 8, torch.device("cpu")))
+    packed = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attn_mask=mask)
+    # the second example alone, with positions restarting at 0: same result (RoPE is relative)
+    s = slice(3, 7)
+    alone = F.scaled_dot_product_attention(
+        apply_rope(q[:, :, s], cos[:4], sin[:4]), apply_rope(k[:, :, s], cos[:4], sin[:4]), v[:, :, s], is_causal=True
+    )
+    torch.testing.assert_close(packed[:, :, s], alone, atol=1e-6, rtol=1e-6)  # fp32 angles
+
+
+def test_packed_data_round_trips_and_samples(tmp_path: Path, tok, smollm2: GGUFFile) -> None:
+    examples = [ex(f"q{i}?", f"a{i}") for i in range(6)]
+    packed = build_instruct(examples, tok, smollm2.metadata, InstructConfig(max_seq_len=256))
+    assert packed.input_ids.shape[0] == 1 and packed.segment_ids.max() == 6  # all six share one row
+    assert packed.stats["filled_positions"] == packed.stats["prompt_tokens"] + packed.stats["response_tokens"]
+    back = load_packed(save_packed(packed, tmp_path / "train.npz"))
+    assert np.array_equal(back.input_ids, packed.input_ids) and back.stats == packed.stats
+    x, y, seg = RowSampler(back, 3, seed=0)()
+    assert x.shape == y.shape == seg.shape == (3, 256) and x.dtype == torch.int64
+
+
+def test_bad_instruct_config_is_named() -> None:
+    with pytest.raises(ConfigError, match="data.max_seq_len"):
+        InstructConfig(max_seq_len=1)
+    with pytest.raises(ConfigError, match="data.template"):
+        InstructConfig(template="alpaca")
+    with pytest.raises(ConfigError, match=r"\{prompt\}"):
+        InstructConfig(plain_prompt="Q:")
+
+
+# ----- the default data set -----
+
+
+def test_pydoc_pairs_are_deterministic_and_split_by_topic(tmp_path: Path) -> None:
+    pairs = pydoc_pairs(max_chars=400)
+    assert len(pairs) > 100 and pairs == pydoc_pairs(max_chars=400)
+    assert len({p["prompt"] for p in pairs}) == len(pairs)
+    assert all(p["response"].strip() and len(p["response"]) <= 404 for p in pairs)
+    assert any(p["prompt"] == 'What does the Python documentation say about the "for" statement?' for p in pairs)
+    counts = write_pydoc_instruct(tmp_path, val_fraction=0.1, seed=0, max_chars=400)
+    train, val = read_instruct_jsonl(tmp_path / "train.jsonl"), read_instruct_jsonl(tmp_path / "val.jsonl")
+    assert (len(train), len(val)) == (counts["train"], counts["val"]) and counts["val"] > 0
+    assert len(train) + len(val) == len(pairs)
+
+    def topics(path: Path) -> set[str]:
+        return {json.loads(line)["id"].split("/")[0] for line in path.read_text().splitlines()}
+
+    assert not topics(tmp_path / "train.jsonl") & topics(tmp_path / "val.jsonl")
+    again = tmp_path / "again"
+    write_pydoc_instruct(again, val_fraction=0.1, seed=0, max_chars=400)
+    assert (again / "val.jsonl").read_bytes() == (tmp_path / "val.jsonl").read_bytes()

@@ -1,0 +1,301 @@
+"""LoRA/QLoRA on a frozen GGUF base: step 0 equals the base, only adapters train, merging is exact,
+QLoRA's torch dequantization equals gguf-py's bit for bit, and bad recipes fail with named errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import OptimConfig
+from pipeline.convert import gguf_tensors, llama_metadata, load_llama
+from pipeline.errors import ConfigError, GGUFError
+from pipeline.gguf_io import GGUFFile, write_gguf
+from pipeline.lora import (
+    AdapterError,
+    LoRAConfig,
+    LoRALinear,
+    attach_lora,
+    load_base,
+    load_lora_state_dict,
+    lora_layers,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+)
+from pipeline.model import Llama, TransformerConfig, init_weights
+from pipeline.quant import QuantLinear, dequantize, load_quantized_base, split_blocks, write_quantized_gguf
+from pipeline.train import make_optimizer
+from tests.conftest import write_tiny_gguf
+
+CFG = TransformerConfig(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=64)
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def tiny(seed: int = 0) -> Llama:
+    m = Llama(CFG)
+    init_weights(m, 0.05, seed)
+    return m
+
+
+def batch(seed: int = 0, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, CFG.vocab_size, (2, n + 1), generator=torch.Generator().manual_seed(seed))
+    return t[:, :-1], t[:, 1:]
+
+
+def write_tiny_base(path: Path, qtype: str = "f32", seed: int = 0) -> Path:
+    m = tiny(seed)
+    meta = {"general.type": "model", **llama_metadata(CFG, "f32")}
+    if qtype == "f32":
+        return write_gguf(path, "llama", meta, gguf_tensors(m))
+    return write_quantized_gguf(path, "llama", meta, gguf_tensors(m), qtype)
+
+
+def adam_steps(model: torch.nn.Module, n: int = 3) -> torch.optim.Optimizer:
+    opt = make_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    for step in range(n):
+        x, y = batch(step)
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+# ----- LoRA -----
+
+
+def test_step0_equals_base_and_only_adapters_train() -> None:
+    model = tiny()
+    x, _ = batch()
+    with torch.no_grad():
+        before = model(x)
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    paths = attach_lora(model, LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=ALL))
+    assert paths[:2] == ["blocks.0.attn.wq", "blocks.0.attn.wk"] and len(paths) == 7 * CFG.n_layer
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # B = 0: bit-identical to the base
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in lora_parameters(model)}
+    model.train()
+    opt = adam_steps(model)
+    # the optimizer's state is the adapters' and nothing else
+    assert {id(p) for p in opt.state} == {id(p) for p in lora_parameters(model)}
+    # every base tensor is bit-identical; the adapters moved
+    for name, m in lora_layers(model).items():
+        assert torch.equal(m.base.weight, base_state[f"{name}.weight"])
+        assert m.lora_B.abs().sum() > 0
+    for name, t in model.state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(t, base_state[name.replace(".base.", ".")]), name
+    model.eval()
+    with torch.no_grad():
+        assert not torch.equal(model(x), before)
+
+
+def test_merge_folds_adapters_into_plain_weights() -> None:
+    model = tiny()
+    attach_lora(model, LoRAConfig(rank=4, alpha=16, targets=("q", "v", "down")))
+    with torch.no_grad():
+        for m in lora_layers(model).values():
+            m.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    x, _ = batch(3)
+    with torch.no_grad():
+        adapted = model(x)
+        merged = merge_lora(model)
+        assert not lora_layers(merged)
+        assert set(merged.state_dict()) == set(tiny().state_dict())
+        torch.testing.assert_close(merged(x), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_state_dict_round_trip_and_shape_mismatch() -> None:
+    a = tiny()
+    attach_lora(a, LoRAConfig(rank=2, targets=("q", "k")))
+    with torch.no_grad():
+        for p in lora_parameters(a):
+            p.normal_(0, 0.1)
+    state = lora_state_dict(a)
+    assert sorted(state)[:2] == ["blocks.0.attn.wk.lora_A", "blocks.0.attn.wk.lora_B"]
+    b = tiny()
+    attach_lora(b, LoRAConfig(rank=2, targets=("q", "k"), init_seed=9))
+    load_lora_state_dict(b, state)
+    x, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+    c = tiny()
+    attach_lora(c, LoRAConfig(rank=3, targets=("q", "k")))
+    with pytest.raises(
+        AdapterError, match=r"blocks\.0\.attn\.wq\.lora_A: expected shape \(3, 64\).*found shape \(2, 64\)"
+    ):
+        load_lora_state_dict(c, state)
+
+
+def test_init_is_seeded_and_scaled() -> None:
+    def a_of(cfg: LoRAConfig) -> torch.Tensor:
+        m = tiny()
+        attach_lora(m, cfg)
+        return lora_layers(m)["blocks.1.attn.wv"].lora_A.detach()
+
+    base = a_of(LoRAConfig(init_seed=1))
+    assert torch.equal(base, a_of(LoRAConfig(init_seed=1)))
+    assert not torch.equal(base, a_of(LoRAConfig(init_seed=2)))
+    torch.testing.assert_close(a_of(LoRAConfig(init_seed=1, init_scale=0.5)), base * 0.5)
+    assert base.abs().max() <= 1 / 8  # U(-1/sqrt(in), 1/sqrt(in)), in = 64
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"rank": 0}, "lora.rank: expected an integer >= 1"),
+        ({"rank": -2}, "lora.rank"),
+        ({"targets": ("q", "qkv")}, r"lora.targets.*unknown: \['qkv'\]"),
+        ({"targets": ()}, "lora.targets"),
+        ({"dropout": 1.0}, "lora.dropout"),
+    ],
+)
+def test_bad_lora_config_is_named(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        LoRAConfig(**kwargs)
+
+
+def test_rank_above_layer_width_and_double_attach_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"lora.rank: expected at most the width of blocks.0.attn.wk \(32x64\): 32"):
+        attach_lora(tiny(), LoRAConfig(rank=33, targets=("k",)))
+    m = tiny()
+    attach_lora(m, LoRAConfig(rank=2))
+    with pytest.raises(ConfigError, match=r"blocks.0.attn.wq.*found LoRALinear"):
+        attach_lora(m, LoRAConfig(rank=2))
+    # a target the model does not have as a linear layer
+    m = tiny()
+    m.blocks[1].attn.wk = torch.nn.Identity()
+    with pytest.raises(
+        ConfigError, match=r"lora.targets \(blocks.1.attn.wk\): expected a plain linear layer.*Identity"
+    ):
+        attach_lora(m, LoRAConfig(rank=2, targets=("q", "k")))
+    assert all(p.requires_grad for p in m.parameters())  # nothing was changed
+    with pytest.raises(ConfigError, match="model config arch: expected an architecture recipe=lora supports"):
+        attach_lora(Llama(replace(CFG, arch="gpt2")), LoRAConfig())
+
+
+def test_unsupported_base_architecture_is_named(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    for recipe in ("lora", "qlora", "full-finetune"):
+        with pytest.raises(
+            GGUFError, match=rf"general.architecture: expected an architecture recipe={recipe} supports"
+        ):
+            load_base(path, recipe)
+
+
+def test_full_finetune_trains_every_parameter(tmp_path: Path) -> None:
+    model, _ = load_base(write_tiny_base(tmp_path / "b.gguf"), "full-finetune")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(p.requires_grad for p in model.parameters())
+    opt = adam_steps(model, 2)
+    assert len(opt.state) == len(list(model.parameters()))
+    assert all(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# ----- QLoRA -----
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"])
+def test_torch_dequantize_equals_gguf_py_bit_for_bit(qtype: str) -> None:
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32) * 0.1
+    w[3, :32] = 0.0  # an all-zero block
+    qt = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, qt)
+    ref = gguf.quants.dequantize(raw, qt).astype(np.float32)
+    ours = dequantize(qtype, split_blocks(raw.reshape(-1).view(np.uint8), qtype, w.shape), w.shape).numpy()
+    assert ours.view(np.uint32).tobytes() == ref.view(np.uint32).tobytes()
+
+
+def test_unsupported_quant_type_is_named() -> None:
+    with pytest.raises(GGUFError, match=r"blk.0.attn_q.weight: expected a tensor type QLoRA keeps quantized.*Q4_K"):
+        split_blocks(np.zeros(144, np.uint8), "Q4_K", (1, 256), "blk.0.attn_q.weight")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_quantized_base_equals_dequantized_base(tmp_path: Path, qtype: str) -> None:
+    path = write_tiny_base(tmp_path / f"{qtype}.gguf", qtype)
+    dense, _ = load_llama(path)
+    q = load_quantized_base(path)
+    blocks = [m for m in q.modules() if isinstance(m, QuantLinear)]
+    assert len(blocks) == 7 * CFG.n_layer and all(b.ggml_type == qtype for b in blocks)
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    assert not any(p.requires_grad for p in q.parameters())
+    x, y = batch()
+    with torch.no_grad():
+        assert torch.equal(q(x), dense(x))  # same fp32 weights, same matmuls
+    # input gradients through the re-dequantizing backward equal the dense layer's
+    layer, ref = q.blocks[0].ffn.up, dense.blocks[0].ffn.up
+    xin = torch.randn(3, 5, 64, requires_grad=True)
+    layer(xin).square().sum().backward()
+    g_q = xin.grad.clone()
+    xin.grad = None
+    ref(xin).square().sum().backward()
+    torch.testing.assert_close(g_q, xin.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_qlora_trains_adapters_only_and_keeps_blocks(tmp_path: Path) -> None:
+    path = write_tiny_base(tmp_path / "q4.gguf", "Q4_0")
+    model, _ = load_base(path, "qlora")
+    x, _ = batch()
+    with torch.no_grad():
+        before = model(x)
+    packed = {n: b.clone() for n, b in model.named_buffers()}
+    attach_lora(model, LoRAConfig(rank=4, alpha=8, targets=ALL))
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    opt = adam_steps(model, 3)
+    assert {id(p) for p in opt.state} == {id(p) for p in lora_parameters(model)}
+    for n, b in model.named_buffers():
+        assert torch.equal(b, packed[n.replace(".base.", ".")]), n
+    # bf16 autocast runs through the quantized matmuls too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(*batch(7))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in lora_parameters(model))
+    # merging a QLoRA model gives plain fp32 linears equal to base + adapter
+    with torch.no_grad():
+        adapted = model(x)
+        merged = merge_lora(model)
+        assert all(isinstance(m.attn.wq, torch.nn.Linear) for m in merged.blocks)
+        torch.testing.assert_close(merged(x), adapted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_qlora(smollm2_path: Path):
+    return load_quantized_base(smollm2_path)
+
+
+def test_smollm2_qlora_base_keeps_its_blocks(smollm2_qlora, smollm2: GGUFFile) -> None:
+    model = smollm2_qlora
+    wq = model.blocks[3].attn.wq
+    assert isinstance(wq, QuantLinear) and wq.ggml_type == "Q4_1"
+    ref = smollm2.tensor("blk.3.attn_q.weight")
+    assert wq.dequantize().numpy().view(np.uint32).tobytes() == ref.view(np.uint32).tobytes()
+    quant_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    stored = sum(smollm2.tensor_info(f"blk.{i}.{n}.weight").n_bytes for i in range(30) for n in names)
+    assert quant_bytes == stored  # the blocks as the file holds them, nothing dense
+
+
+def test_smollm2_qlora_step0_equals_base(smollm2_qlora) -> None:
+    model = smollm2_qlora
+    x = torch.tensor([[504, 8572, 1278, 335, 14801, 288, 2523, 260]])
+    with torch.no_grad():
+        base = model(x)
+    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=("q", "k")))
+    try:
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 30 * 8 * (576 + 576 + 576 + 192)
+        with torch.no_grad():
+            assert torch.equal(model(x), base)
+    finally:  # leave the module fixture as it was
+        for path, m in lora_layers(model).items():
+            parent, attr = path.rsplit(".", 1)
+            setattr(model.get_submodule(parent), attr, m.base)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())

@@ -1,0 +1,365 @@
+"""Never lose work: atomic checkpoints, newest-valid resume, bit-identical continuation after SIGKILL,
+SIGTERM stopping with a checkpoint, non-finite steps stopping (or skipped), and named errors for a
+checkpoint of another configuration."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import checkpoint as ckpt
+from pipeline.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from pipeline.errors import ConfigError
+from pipeline.pack import load_split, pack
+from pipeline.realize import load_model, realize, save_model
+from pipeline.train import NonFiniteError, plan_checkpoints, train
+from tests.conftest import ROOT
+
+TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
+TCFG = TrainConfig(
+    steps=8, batch_size=4, seq_len=32, eval_every=4, log_every=1, checkpoint_every=2, keep_checkpoints=3
+)
+
+
+def make_project(root: Path, gguf, n_docs: int = 12) -> Path:
+    """A project directory as the stages see it: real packed text and tiny initial weights."""
+    from pipeline.corpus import load_documents
+    from pipeline.tokenizer import tokenizer_from_gguf
+
+    root.mkdir(parents=True, exist_ok=True)
+    docs = load_documents(DataConfig())[:n_docs]
+    meta, _ = pack(docs, tokenizer_from_gguf(gguf), DataConfig(val_fraction=0.2), root / "data" / "packed")
+    (root / "models" / "init").mkdir(parents=True)
+    save_model(realize(TINY, "scratch", meta.vocab_size, 0), root / "models" / "init")
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, smollm2) -> Path:
+    return make_project(tmp_path_factory.mktemp("resume"), smollm2)
+
+
+def run_lib(project: Path, tcfg: TrainConfig, ckpt_dir: Path, optim: OptimConfig | None = None, seed: int = 0):
+    """The library path of the train stage: plan checkpoints, train the initial weights."""
+    optim = optim or OptimConfig(warmup_steps=2)
+    plan = plan_checkpoints(tcfg, optim, seed, project / "models" / "init", project / "data" / "packed", ckpt_dir)
+    model = load_model(project / "models" / "init")
+    packed = project / "data" / "packed"
+    result, _ = train(
+        model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, seed, progress=False, plan=plan
+    )
+    return model, result, plan
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lbfgs"])
+def test_resume_from_a_middle_checkpoint_is_bit_identical(project: Path, tmp_path: Path, optimizer: str) -> None:
+    optim = OptimConfig(warmup_steps=2) if optimizer == "adamw" else OptimConfig(name="lbfgs", lr=0.5, grad_clip=0)
+    full, full_result, plan = run_lib(project, TCFG, tmp_path, optim)
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [8, 6, 4]
+    for s in (8, 6):  # as if the process had died right after writing step 4
+        ckpt.shutil.rmtree(plan.root / ckpt.step_name(s))
+    resumed, result, _ = run_lib(project, TCFG, tmp_path, optim)
+    assert result.resumed_from == 4
+    assert_same_weights(full.state_dict(), resumed.state_dict())
+    assert [h["train_loss"] for h in result.history] == [h["train_loss"] for h in full_result.history]
+    assert [h["step"] for h in result.history] == list(range(1, 9))
+
+
+def test_keeps_the_newest_k(project: Path, tmp_path: Path) -> None:
+    _, _, plan = run_lib(project, replace(TCFG, steps=5, checkpoint_every=1, keep_checkpoints=2), tmp_path)
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [5, 4]
+    state = json.loads((plan.root / ckpt.step_name(5) / "state.json").read_text())
+    assert {"model.safetensors", "optimizer.pt", "rng.pt", "config.json"} <= set(state["files"])
+    assert {"sampler", "rng", "history", "compat", "mlflow_run_id"} <= set(state)
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_one_before_used(project: Path, tmp_path: Path) -> None:
+    _, _, plan = run_lib(project, TCFG, tmp_path)
+    weights = plan.root / ckpt.step_name(8) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    reports: list[str] = []
+    again = plan_checkpoints(
+        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+    )
+    assert again.resume is not None and again.resume.step == 6
+    assert len(reports) == 1 and "step-00000008" in reports[0] and "corrupt" in reports[0]
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoints(tmp_path: Path) -> None:
+    def good(p: Path) -> None:
+        p.write_bytes(b"weights")
+
+    ckpt.write(tmp_path, 2, {"w.bin": good}, {"x": 1}, keep=3)
+
+    def dies(p: Path) -> None:
+        p.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        ckpt.write(tmp_path, 4, {"w.bin": good, "opt.pt": dies}, {"x": 2}, keep=3)
+    # what a SIGKILL mid-write leaves: a temp dir of a process that no longer runs
+    stale = tmp_path / ".step-00000006.tmp-999999999"
+    stale.mkdir()
+    (stale / "w.bin").write_bytes(b"half")
+    found = ckpt.newest_valid(tmp_path)
+    assert found is not None and found.step == 2 and found.state["x"] == 1
+    assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [2]
+    ckpt.write(tmp_path, 4, {"w.bin": good}, {"x": 3}, keep=3)
+    assert not stale.exists() and ckpt.newest_valid(tmp_path).step == 4
+
+
+def test_explicit_resume_from_another_config_names_the_differing_keys(project: Path, tmp_path: Path) -> None:
+    _, _, plan = run_lib(project, replace(TCFG, steps=4), tmp_path)
+    other = replace(TCFG, resume=str(plan.root / ckpt.step_name(4)))
+    with pytest.raises(ConfigError) as err:
+        plan_checkpoints(other, OptimConfig(lr=1e-3), 0, project / "models/init", project / "data/packed", tmp_path)
+    message = str(err.value)
+    assert "train.steps" in message and "optim.lr" in message and "optim.warmup_steps" in message
+    assert "model." not in message and "\n" not in message
+    # the same checkpoint with its own configuration is accepted
+    same = plan_checkpoints(
+        replace(TCFG, steps=4, resume=str(plan.root)),
+        OptimConfig(warmup_steps=2),
+        0,
+        project / "models/init",
+        project / "data/packed",
+        tmp_path,
+    )
+    assert same.resume.step == 4
+
+
+def test_auto_resume_ignores_checkpoints_of_other_configs(project: Path, tmp_path: Path) -> None:
+    run_lib(project, replace(TCFG, steps=4), tmp_path)
+    plan = plan_checkpoints(TCFG, OptimConfig(), 0, project / "models/init", project / "data/packed", tmp_path)
+    assert plan.resume is None
+
+
+def nan_after(model: torch.nn.Module, calls: int) -> None:
+    """Make the final norm's output NaN from its `calls`-th training call on."""
+    seen = {"n": 0}
+
+    def hook(module, inputs, output):
+        if not torch.is_grad_enabled():
+            return None
+        seen["n"] += 1
+        return output * float("nan") if seen["n"] == calls else None
+
+    model.norm.register_forward_hook(hook)
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(project: Path, tmp_path: Path) -> None:
+    optim = OptimConfig(warmup_steps=2)
+    plan = plan_checkpoints(TCFG, optim, 0, project / "models/init", project / "data/packed", tmp_path)
+    model = load_model(project / "models/init")
+    nan_after(model, 5)
+    packed = project / "data/packed"
+    with pytest.raises(NonFiniteError) as err:
+        train(model, load_split(packed, "train"), load_split(packed, "val"), TCFG, optim, 0, progress=False, plan=plan)
+    message = str(err.value)
+    assert message.startswith("train step 5:") and "step-00000004" in message and "skip_nonfinite" in message
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [4, 2]
+
+
+def test_skip_nonfinite_skips_and_counts(project: Path, tmp_path: Path) -> None:
+    tcfg = replace(TCFG, skip_nonfinite=True)
+    optim = OptimConfig(warmup_steps=2)
+    model = load_model(project / "models/init")
+    nan_after(model, 3)
+    packed = project / "data/packed"
+    result, _ = train(model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, 0, progress=False)
+    assert result.skipped_steps == 1
+    assert [h["skipped_steps"] for h in result.history] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert np.isfinite(result.final_val_loss)
+
+
+# --- the train stage as a process: SIGKILL, SIGTERM, MLflow continuity -------------------------
+
+
+def stage_cmd(ckpt_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "stages.train",
+        f"train.steps={steps}",
+        "train.batch_size=4",
+        "train.seq_len=32",
+        "train.eval_every=8",
+        "train.log_every=1",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=3",
+        "train.device=cpu",
+        "train.threads=1",
+        f"train.checkpoint_dir={ckpt_dir}",
+        "optim.warmup_steps=4",
+        *extra,
+    ]
+
+
+def stage_env(project: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
+        "HYDRA_FULL_ERROR": "0",
+    }
+
+
+def start(project: Path, cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, cwd=project, env=stage_env(project), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def newest_step(ckpt_dir: Path) -> int:
+    steps = [s for d in ckpt_dir.glob("*") if d.is_dir() for s, _ in ckpt.step_dirs(d)]
+    return max(steps, default=0)
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while newest_step(ckpt_dir) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.005)
+
+
+def metric_history(project: Path, run_id: str, key: str = "train_loss") -> dict[int, list[float]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    out: dict[int, list[float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        out.setdefault(m.step, []).append(m.value)
+    return out
+
+
+def run_status(project: Path, run_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}").get_run(run_id).info.status
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(project: Path, tmp_path: Path) -> None:
+    steps = 24
+    out = project / "models" / "train"
+    # the uninterrupted reference
+    ref = subprocess.run(
+        stage_cmd(tmp_path / "a", steps, "train.resume=never"),
+        cwd=project,
+        env=stage_env(project),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_weights = load_file(str(out / "model.safetensors"))
+    ref_state = json.loads((out / "train_state.json").read_text())
+    ckpt.shutil.rmtree(out)
+    # killed at a random point after a random checkpoint (possibly in the middle of writing one)
+    target = random.Random().randrange(2, steps - 4, 2)
+    proc = start(project, stage_cmd(tmp_path / "b", steps))
+    wait_for_checkpoint(proc, tmp_path / "b", target)
+    time.sleep(random.uniform(0, 0.05))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists(), "the run finished before it was killed"
+    killed_at = newest_step(tmp_path / "b")
+    # resumed with the same command
+    resumed = subprocess.run(
+        stage_cmd(tmp_path / "b", steps),
+        cwd=project,
+        env=stage_env(project),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {killed_at}" in resumed.stdout, (target, killed_at, resumed.stdout)
+    assert_same_weights(ref_weights, load_file(str(out / "model.safetensors")))
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["resumed_from"] == killed_at and state["final_val_loss"] == ref_state["final_val_loss"]
+    # the resumed process kept logging to the killed run, and every step's loss is the reference's
+    run_id = state["mlflow_run_id"]
+    assert run_id != ref_state["mlflow_run_id"] and run_status(project, run_id) == "FINISHED"
+    ref_losses = metric_history(project, ref_state["mlflow_run_id"])
+    losses = metric_history(project, run_id)
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert all(set(losses[s]) == set(ref_losses[s]) for s in ref_losses), (losses, ref_losses)
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_checkpoints_and_exits_nonzero(project: Path, tmp_path: Path) -> None:
+    proc = start(project, stage_cmd(tmp_path / "c", 5000))
+    wait_for_checkpoint(proc, tmp_path / "c", 2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0] and "Traceback" not in stderr
+    stopped = int(lines[0].split("after step ")[1].split(":")[0])
+    assert newest_step(tmp_path / "c") == stopped
+    (key_dir,) = [d for d in (tmp_path / "c").iterdir() if d.is_dir()]
+    found = ckpt.newest_valid(key_dir)
+    assert found.step == stopped and run_status(project, found.run_id) == "KILLED"
+
+
+def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tmp_path: Path, monkeypatch) -> None:
+    from stages.common import run_stage
+    from stages.compose import compose_config
+    from stages.train import body, checkpoint_plan
+
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = compose_config(stage_cmd(tmp_path / "d", 6)[3:] + ["train.eval_every=3"])
+    from pipeline.train import _Forward
+
+    original = _Forward.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None):
+        out = original(self, idx, targets)
+        if targets is not None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(_Forward, "forward", poisoned)
+    plans = []
+
+    def resume_run(typed, paths):
+        plans.append(checkpoint_plan(typed, paths))
+        return None
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
+    assert exit_info.value.code == 2
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith("train step 3:")
+    assert [s for s, _ in ckpt.step_dirs(plans[0].root)] == [2]
