@@ -117,7 +117,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="q,v")
-    p.add_argument("--threads", type=int, default=2)
+    # one intra-op thread: on a shared 2-core box, 2 threads make every op wait for a descheduled peer
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating")
     p.add_argument("--child", choices=["lora", "qlora"])
     p.add_argument("--data")

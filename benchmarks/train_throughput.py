@@ -1,20 +1,29 @@
 """Training throughput: our train step vs a transformers `LlamaForCausalLM` train step, side by side.
 
     python benchmarks/train_throughput.py [--vocab 49152 8192] [--steps 3] [--rounds 3] [--warmup 2]
-                                          [--compile off|on] [--threads N] [--batch 8] [--seq 256]
+                                          [--compile off|on|both] [--malloc default|keep|both]
+                                          [--threads N] [--batch 8] [--seq 256]
 
 Both models have the same shape (d_model 256, 4 layers, 4 heads, ffn 688, tied embeddings; seq
 256, batch 8 by default), both steps are the same loop: bf16 autocast forward + loss, backward,
 grad-norm clip at 1.0, fused AdamW (our `make_optimizer`, weight decay on matrices), zero_grad.
 Ours calls `Llama.loss` (chunked linear cross-entropy); theirs `model(input_ids, labels=...)`
-(transformers' own loss, sdpa attention). After `--warmup` steps each, rounds alternate ours /
-theirs (the machine is shared, so the median over rounds of each round's median step is
+(transformers' own loss, sdpa attention); with `--compile` also ours with `torch.compile`d blocks
+(`train.compile=true`). After `--warmup` steps each (compilation happens there), rounds alternate
+the contenders (the machine is shared, so the median over rounds of each round's median step is
 reported). MFU = model FLOPs per token (6 x matmul parameters incl. the head, plus 6 x layers x
 seq x d_model for causal attention) x tokens/s over the bf16 matmul peak measured here on square
 and head-shaped matmuls. Peak RSS is the process's high-water mark (VmHWM, reset before each
 timed segment after a malloc_trim) while that contender's steps run; both models live in the one
 process, so both numbers include both models' weights (the `+` figure is the rise over the
 segment's start).
+
+The allocator matters as much as the kernels here: glibc hands out every allocation above 32 MB
+as fresh pages and returns them on free, so a step pays page faults for each large tensor (the
+transformers step's fp32 logits are 400 MB). Our train loop on CPU tells glibc to keep freed
+memory (`keep_freed_memory`). `--malloc both` (default) measures every contender first with glibc's
+defaults (what a plain transformers loop gets), then with freed memory kept (both get it: it is
+one process).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 
 from pipeline.config import OptimConfig
 from pipeline.model import Llama, TransformerConfig, init_weights
-from pipeline.train import compile_blocks, make_optimizer
+from pipeline.train import compile_blocks, keep_freed_memory, make_optimizer
 
 D_MODEL, N_LAYER, N_HEAD, D_FF = 256, 4, 4, 688
 
@@ -137,7 +146,12 @@ def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    contenders = {"ours": ours(vocab, x, y, args.compile == "on"), "transformers": theirs(vocab, x)}
+    contenders = {}
+    if args.compile in ("off", "both"):
+        contenders["ours"] = ours(vocab, x, y, False)
+    if args.compile in ("on", "both"):
+        contenders["ours compiled"] = ours(vocab, x, y, True)
+    contenders["transformers"] = theirs(vocab, x)
     warm = {}
     for name, step in contenders.items():
         t = time.perf_counter()
@@ -164,11 +178,13 @@ def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
         dt = statistics.median(times[name])
         rate[name] = tokens / dt
         print(
-            f"  {name:13s} {dt * 1e3:8.0f} ms/step  {rate[name]:8.0f} tok/s  MFU {rate[name] * fpt / peak:6.1%}  "
+            f"  {name:14s} {dt * 1e3:8.0f} ms/step  {rate[name]:8.0f} tok/s  MFU {rate[name] * fpt / peak:6.1%}  "
             f"peak RSS {peaks[name] / 1024:6.0f} MiB (+{rises[name] / 1024:.0f})  warm-up {warm[name]:.1f}s  "
             f"loss {losses[name]:.3f}  rounds {', '.join(f'{t * 1e3:.0f}' for t in times[name])} ms"
         )
-    print(f"  ratio ours/transformers: {rate['ours'] / rate['transformers']:.2f}x")
+    for name in contenders:
+        if name != "transformers":
+            print(f"  ratio {name}/transformers: {rate[name] / rate['transformers']:.2f}x")
 
 
 def main() -> None:
@@ -179,8 +195,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compile", choices=["off", "on"], default="off", help="torch.compile our blocks")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="both", help="torch.compile our blocks")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--malloc", choices=["default", "keep", "both"], default="both", help="glibc allocator policy")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,8 +207,14 @@ def main() -> None:
         f"{torch.backends.cpu.get_cpu_capability()}; measured bf16 matmul peak {peak / 1e9:.0f} GFLOP/s; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    for vocab in args.vocab:
-        run(vocab, args, peak)
+    policies = ["default", "keep"] if args.malloc == "both" else [args.malloc]
+    for policy in policies:
+        if policy == "keep" and not keep_freed_memory():
+            print("\n(no glibc: cannot keep freed memory)")
+            break
+        print(f"\n=== malloc: {'glibc defaults' if policy == 'default' else 'freed memory kept (as our train loop)'}")
+        for vocab in args.vocab:
+            run(vocab, args, peak)
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} (other processes share this machine)")
 
 

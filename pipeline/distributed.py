@@ -118,6 +118,24 @@ def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+def check_same(value: int, what: str, info: DistInfo, device: torch.device) -> None:
+    """Every rank must agree on `value` (e.g. the step a checkpoint resumes at), else a named error."""
+    if not info.enabled:
+        return
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    high, low = int(t[0]), -int(t[1])
+    if high != low:
+        raise ConfigError(
+            problem(
+                what,
+                "the same on every rank",
+                f"{low} on some ranks and {high} on others",
+                "put train.checkpoint_dir on storage every node shares, or resume with train.resume=<dir>",
+            )
+        )
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         torch.distributed.barrier()

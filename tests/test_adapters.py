@@ -32,6 +32,15 @@ ALL = ("q", "k", "v", "o", "gate", "up", "down")
 RANK, ALPHA = 4, 8.0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @dataclass
 class Setup:
     dir: Path
@@ -156,7 +165,7 @@ def test_peft_saved_adapter_reads_back_into_ours(setup: Setup, hf_base, tmp_path
 
 
 def _greedy(llama_cpp, n: int, prompt: list[int], **kwargs) -> list[int]:
-    llm = llama_cpp.Llama(n_ctx=64, n_threads=2, verbose=False, logits_all=True, **kwargs)
+    llm = llama_cpp.Llama(n_ctx=64, n_threads=1, verbose=False, logits_all=True, **kwargs)
     llm.eval(prompt)
     out = []
     for _ in range(n):

@@ -35,6 +35,15 @@ from pipeline.model import Llama, TransformerConfig, apply_rope, init_weights, r
 from pipeline.tokenizer import tokenizer_from_gguf
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok(smollm2: GGUFFile):
     return tokenizer_from_gguf(smollm2)

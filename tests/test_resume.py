@@ -28,9 +28,7 @@ from pipeline.train import NonFiniteError, plan_checkpoints, train
 from tests.conftest import ROOT
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
-TCFG = TrainConfig(
-    steps=8, batch_size=4, seq_len=32, eval_every=4, log_every=1, checkpoint_every=2, keep_checkpoints=3
-)
+TCFG = TrainConfig(steps=8, batch_size=4, seq_len=32, eval_every=4, log_every=1, checkpoint_every=2, keep_checkpoints=3)
 
 
 def make_project(root: Path, gguf, n_docs: int = 12) -> Path:
@@ -51,11 +49,18 @@ def project(tmp_path_factory, smollm2) -> Path:
     return make_project(tmp_path_factory.mktemp("resume"), smollm2)
 
 
-def run_lib(project: Path, tcfg: TrainConfig, ckpt_dir: Path, optim: OptimConfig | None = None, seed: int = 0):
+def run_lib(
+    project: Path,
+    tcfg: TrainConfig,
+    ckpt_dir: Path,
+    optim: OptimConfig | None = None,
+    seed: int = 0,
+    init: str = "init",
+):
     """The library path of the train stage: plan checkpoints, train the initial weights."""
     optim = optim or OptimConfig(warmup_steps=2)
-    plan = plan_checkpoints(tcfg, optim, seed, project / "models" / "init", project / "data" / "packed", ckpt_dir)
-    model = load_model(project / "models" / "init")
+    plan = plan_checkpoints(tcfg, optim, seed, project / "models" / init, project / "data" / "packed", ckpt_dir)
+    model = load_model(project / "models" / init)
     packed = project / "data" / "packed"
     result, _ = train(
         model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, seed, progress=False, plan=plan
@@ -146,6 +151,26 @@ def test_explicit_resume_from_another_config_names_the_differing_keys(project: P
         tmp_path,
     )
     assert same.resume.step == 4
+
+
+def test_explicit_resume_of_another_model_names_the_model_keys(project: Path, tmp_path: Path) -> None:
+    wider = project / "models" / "init-wider"
+    wider.mkdir()
+    save_model(realize(replace(TINY, d_model=48, n_head=6, n_kv_head=3), "scratch", 49152, 0), wider)
+    _, _, plan = run_lib(project, replace(TCFG, steps=2), tmp_path, init="init-wider")
+    with pytest.raises(ConfigError) as err:
+        plan_checkpoints(
+            replace(TCFG, steps=2, resume=str(plan.root)),
+            OptimConfig(warmup_steps=2),
+            0,
+            project / "models/init",
+            project / "data/packed",
+            tmp_path,
+        )
+    message = str(err.value)
+    for key in ("model.d_model", "model.n_head", "model.n_kv_head", "init_weights"):
+        assert key in message
+    assert "train.steps" not in message and "optim." not in message
 
 
 def test_auto_resume_ignores_checkpoints_of_other_configs(project: Path, tmp_path: Path) -> None:

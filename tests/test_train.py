@@ -4,6 +4,7 @@ and named errors for batch shapes the data cannot serve."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -106,4 +107,91 @@ def test_seq_len_beyond_context_is_named() -> None:
     data = np.arange(10_000, dtype=np.uint16)
     tcfg = TrainConfig(steps=1, batch_size=1, seq_len=128)
     with pytest.raises(ConfigError, match="context_length=64"):
+        train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
+    from pipeline.losses import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 48, generator=g, requires_grad=True)
+    w = (torch.randn(5000, 48, generator=g) * 0.1).requires_grad_()
+    t = torch.randint(0, 5000, (300,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), t)
+        ours = linear_cross_entropy(h, w, t, chunk=128)  # three chunks, the last one partial
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    grads = torch.autograd.grad(3 * ours, (h, w))
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert float(ours.detach()) == pytest.approx(float(ref.detach()), abs=1e-5 if precision == "fp32" else 1e-3)
+    for a, b in zip(grads, ref_grads):
+        assert (a - 3 * b).abs().max() <= tol * 3 * b.abs().max()
+
+
+def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
+    from pipeline.losses import linear_cross_entropy
+
+    h = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    w = torch.tensor([[200.0, 0.0], [-200.0, 0.0]])  # p(target=1) = e^-400: below fp32
+    loss = linear_cross_entropy(h, w, torch.tensor([1]))
+    assert math.isfinite(float(loss)) and float(loss) > 87
+    loss.backward()
+    assert torch.isfinite(h.grad).all()
+
+
+def test_activation_checkpointing_gives_identical_gradients(packed) -> None:
+    from pipeline.train import enable_activation_checkpointing
+
+    train_ids, _ = packed
+    x = torch.from_numpy(np.asarray(train_ids[:130], dtype=np.int64)).view(2, 65)
+    grads = []
+    for checkpointing in (False, True):
+        model = realize(TINY, "scratch", 49152, 0)
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert model.blocks[0].forward.__name__ == "forward" and "blocks.0.attn.wq.weight" in model.state_dict()
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager(packed) -> None:
+    train_ids, val_ids = packed
+    runs = []
+    for compiled in (False, True):
+        tcfg = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=3, log_every=1, precision="fp32")
+        result, _ = train(
+            realize(TINY, "scratch", 49152, 0), train_ids, val_ids, replace(tcfg, compile=compiled), OptimConfig(), 0,
+            progress=False,
+        )  # fmt: skip
+        runs.append([h["train_loss"] for h in result.history])
+    assert runs[1] == pytest.approx(runs[0], abs=1e-4)
+
+
+def test_lbfgs_reduces_the_loss(packed) -> None:
+    train_ids, val_ids = packed
+    model = realize(TINY, "scratch", 49152, 0)
+    before = evaluate_loss(model, val_ids, 32, 8, torch.device("cpu"))
+    tcfg = TrainConfig(steps=6, batch_size=8, seq_len=32, eval_every=6, log_every=1)
+    optim = OptimConfig(
+        name="lbfgs", lr=1.0, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=0.0, lbfgs_max_iter=5
+    )
+    result, opt = train(model, train_ids, val_ids, tcfg, optim, 0, progress=False)
+    assert isinstance(opt, torch.optim.LBFGS)
+    assert result.final_val_loss < before - 0.3
+
+
+def test_grad_accumulation_below_one_is_named() -> None:
+    with pytest.raises(ConfigError, match="train.grad_accum"):
+        TrainConfig(grad_accum=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_named() -> None:
+    data = np.arange(10_000, dtype=np.uint16)
+    with pytest.raises(ConfigError, match="train.device"):
+        tcfg = TrainConfig(steps=1, batch_size=2, seq_len=32, device="cuda")
         train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
