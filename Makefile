@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test lint params mlflow-ui clean
+.PHONY: setup repro test lint params mlflow-ui llamacpp clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ lint: setup
 # params.yaml is the composed config DVC reads; regenerate it after editing conf/.
 params: setup
 	$(PY) -m stages.compose > params.yaml.tmp && mv params.yaml.tmp params.yaml
+
+# Optional reference client for the llama.cpp parity tests (they skip without it). The native
+# build crashes on this CPU family, hence the flags; ~7 min to build once, then pip's cache.
+llamacpp: setup
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+		$(PY) -m pip install --quiet llama-cpp-python
 
 mlflow-ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlflow.db"
