@@ -73,7 +73,22 @@ def llama_metadata(cfg: TransformerConfig, dtype: str) -> dict[str, Any]:
 def export_llama(
     model: Llama, path: Path, tokenizer_meta: dict[str, Any], provenance: dict[str, Any], dtype: str = "f32"
 ) -> Path:
-    """Write `model` as a llama GGUF with the donor's tokenizer and our provenance keys.
+    """Write `model` as a llama GGUF with the donor's tokenizer and our provenance keys."""
+    return write_model_gguf(
+        path, "llama", llama_metadata(model.cfg, dtype), gguf_tensors(model), tokenizer_meta, provenance, dtype
+    )
+
+
+def write_model_gguf(
+    path: Path,
+    arch: str,
+    arch_meta: dict[str, Any],
+    tensors: dict[str, Any],
+    tokenizer_meta: dict[str, Any],
+    provenance: dict[str, Any],
+    dtype: str,
+) -> Path:
+    """The part every architecture's export shares: check the type, order the keys, write.
 
     `dtype` (f32, f16, bf16, q8_0) is the type of the matrices; see gguf_io.encode_tensor.
     """
@@ -83,9 +98,9 @@ def export_llama(
         )
     metadata: dict[str, Any] = {"general.type": "model"}
     metadata.update(provenance)
-    metadata.update(llama_metadata(model.cfg, dtype))
+    metadata.update(arch_meta)
     metadata.update(tokenizer_meta)
-    return write_gguf(path, "llama", metadata, gguf_tensors(model), dtype=dtype)
+    return write_gguf(path, arch, metadata, tensors, dtype=dtype)
 
 
 def _unsupported(g: GGUFFile, what: str, found: Any, fix: str) -> GGUFError:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import FILE_TYPES, TENSOR_TYPES, GGUFFile, write_gguf
+from pipeline.gguf_io import FILE_TYPES, GGUFFile
 from pipeline.losses import linear_cross_entropy
 from pipeline.model import KVCache, TransformerConfig
 
@@ -218,19 +218,12 @@ def transformers_overrides(cfg: TransformerConfig) -> dict[str, int]:
 def export_gpt2(
     model: GPT2, path: Path, tokenizer_meta: dict[str, Any], provenance: dict[str, Any], dtype: str = "f32"
 ) -> Path:
-    """Write `model` as a gpt2 GGUF with the caller's tokenizer metadata and provenance keys.
+    """Write `model` as a gpt2 GGUF with the caller's tokenizer metadata and provenance keys."""
+    from pipeline.convert import write_model_gguf
 
-    `dtype` (f32, f16, bf16, q8_0) is the type of the matrices; see gguf_io.encode_tensor.
-    """
-    if dtype not in TENSOR_TYPES:
-        raise GGUFError(
-            problem("export.dtype", f"one of {', '.join(TENSOR_TYPES)}", repr(dtype), "pick a supported type")
-        )
-    metadata: dict[str, Any] = {"general.type": "model"}
-    metadata.update(provenance)
-    metadata.update(gpt2_metadata(model.cfg, dtype))
-    metadata.update(tokenizer_meta)
-    return write_gguf(path, "gpt2", metadata, gpt2_tensors(model), dtype=dtype)
+    return write_model_gguf(
+        path, "gpt2", gpt2_metadata(model.cfg, dtype), gpt2_tensors(model), tokenizer_meta, provenance, dtype
+    )
 
 
 def gpt2_config_from_gguf(g: GGUFFile) -> TransformerConfig:
