@@ -49,6 +49,8 @@ def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
         out["output_norm.weight"] = model.norm.weight.float().cpu().numpy()
         if model.head is not None:
             out["output.weight"] = model.head.weight.float().cpu().numpy()
+        if model.cfg.rope_freq_factors:
+            out[ROPE_FREQS] = np.asarray(model.cfg.rope_freq_factors, dtype=np.float32)
     return out
 
 
@@ -137,7 +139,7 @@ def config_from_gguf(g: GGUFFile) -> TransformerConfig:
     head_dim = d_model // n_head
     _check_features(g, head_dim)
     vocab = _check_embedding(g, d_model)
-    _check_tensor_names(g, n_layer, head_dim)
+    factors = _check_tensor_names(g, n_layer, head_dim)
     return TransformerConfig(
         vocab_size=vocab,
         d_model=d_model,
@@ -149,6 +151,7 @@ def config_from_gguf(g: GGUFFile) -> TransformerConfig:
         rope_theta=float(g.metadata.get("llama.rope.freq_base", 10000.0)),
         norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon")),
         tie_embeddings=not g.has_tensor("output.weight"),
+        rope_freq_factors=factors,
     )
 
 
@@ -197,8 +200,11 @@ def _check_embedding(g: GGUFFile, d_model: int) -> int:
     return rows
 
 
-def _check_tensor_names(g: GGUFFile, n_layer: int, head_dim: int) -> None:
-    """Exactly the tensors our module has (plus an all-ones rope_freqs): nothing missing, nothing ignored."""
+def _check_tensor_names(g: GGUFFile, n_layer: int, head_dim: int) -> tuple[float, ...]:
+    """Exactly the tensors our module has (plus rope_freqs): nothing missing, nothing ignored.
+
+    Returns the RoPE frequency factors (`rope_freqs.weight`), () when absent or all ones.
+    """
     expected = {"token_embd.weight", "output_norm.weight"}
     expected |= {f"blk.{i}.{theirs}" for i in range(n_layer) for theirs in BLOCK_TENSORS.values()}
     present = set(g.tensor_names())
@@ -218,17 +224,19 @@ def _check_tensor_names(g: GGUFFile, n_layer: int, head_dim: int) -> None:
                 "this llama variant (biases, extra layers) is not supported",
             )
         )
-    if ROPE_FREQS in present:
-        factors = g.tensor(ROPE_FREQS)
-        if factors.shape != (head_dim // 2,) or not np.all(factors == 1.0):
-            raise GGUFError(
-                problem(
-                    f"{g.path} {ROPE_FREQS}",
-                    "plain RoPE (no tensor, or all factors 1)",
-                    f"llama3-style RoPE frequency factors {factors.ravel()[:3].tolist()}...",
-                    "rope_freqs not supported; use a model without RoPE frequency scaling",
-                )
+    if ROPE_FREQS not in present:
+        return ()
+    factors = g.tensor(ROPE_FREQS)
+    if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise GGUFError(
+            problem(
+                f"{g.path} {ROPE_FREQS}",
+                f"{head_dim // 2} positive RoPE frequency factors (one per rotated pair)",
+                f"shape {factors.shape}, first values {factors.ravel()[:3].tolist()}",
+                "the file is inconsistent; re-export it",
             )
+        )
+    return () if np.all(factors == 1.0) else tuple(float(f) for f in factors)
 
 
 def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:

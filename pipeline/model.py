@@ -40,6 +40,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
     donor_dim: int = 0  # >0: embedding table is donor-width, projected by a trainable lens
     arch: str = "llama"
+    rope_freq_factors: tuple[float, ...] = ()  # llama3-style per-dimension divisors (GGUF rope_freqs); () = plain
 
     @property
     def head_dim(self) -> int:
@@ -56,6 +57,8 @@ class TransformerConfig:
             raise ConfigError(
                 problem("model config", f"keys among {sorted(known)}", f"unknown keys {unknown}", "re-run realize")
             )
+        if "rope_freq_factors" in d:
+            d = {**d, "rope_freq_factors": tuple(d["rope_freq_factors"])}
         return cls(**d)
 
     @classmethod
@@ -81,6 +84,8 @@ def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> t
     """cos/sin of shape (seq_len, head_dim/2), in fp32."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
+    if cfg.rope_freq_factors:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, device=device, dtype=torch.float32)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv_freq)
     return angles.cos(), angles.sin()

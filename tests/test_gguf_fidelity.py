@@ -148,7 +148,7 @@ def test_untied_output_is_the_head(tmp_path: Path) -> None:
     assert tied.head is None and tied.cfg.tie_embeddings
 
 
-def test_rope_freqs_of_ones_is_plain_rope_and_others_are_refused(tmp_path: Path) -> None:
+def test_rope_freqs_of_ones_is_plain_rope_and_scaled_ones_apply(tmp_path: Path) -> None:
     cfg = tiny_cfg()
     tensors = tiny_tensors(cfg)
     plain, _ = load_llama(write_llama(tmp_path / "p.gguf", cfg, tensors))
@@ -157,9 +157,28 @@ def test_rope_freqs_of_ones_is_plain_rope_and_others_are_refused(tmp_path: Path)
     ids = torch.arange(16)[None]
     with torch.no_grad():
         assert torch.equal(plain(ids), same(ids))
-    scaled = {**ones, "rope_freqs.weight": np.linspace(1, 8, cfg.head_dim // 2, dtype=np.float32)}
-    with pytest.raises(GGUFError, match="rope_freqs not supported"):
-        load_llama(write_llama(tmp_path / "s.gguf", cfg, scaled))
+    factors = np.linspace(1, 8, cfg.head_dim // 2, dtype=np.float32)
+    scaled_model, _ = load_llama(write_llama(tmp_path / "s.gguf", cfg, {**ones, "rope_freqs.weight": factors}))
+    assert scaled_model.cfg.rope_freq_factors == tuple(float(f) for f in factors)
+    with torch.no_grad():
+        out = scaled_model(ids)
+        assert not torch.allclose(out, plain(ids))
+        # re-export keeps the factors and the function
+        back, g = load_llama(export_llama(scaled_model, tmp_path / "r.gguf", {}, {}, "f32"))
+        assert torch.equal(back(ids), out)
+    np.testing.assert_array_equal(g.tensor("rope_freqs.weight"), factors)
+    # first pair's angle at position p is p * inv_freq_0 / factor_0: check against rope_tables directly
+    from pipeline.model import rope_tables
+
+    cos_plain, _ = rope_tables(plain.cfg, 4, torch.device("cpu"))
+    cos_scaled, _ = rope_tables(scaled_model.cfg, 4, torch.device("cpu"))
+    last = cfg.head_dim // 2 - 1
+    theta = 1.0 / cfg.rope_theta ** (2 * last / cfg.head_dim)
+    assert float(cos_scaled[3, last]) == pytest.approx(np.cos(3 * theta / factors[last]), abs=1e-6)
+    assert float(cos_plain[3, last]) == pytest.approx(np.cos(3 * theta), abs=1e-6)
+    bad = {**ones, "rope_freqs.weight": np.zeros(cfg.head_dim // 2, dtype=np.float32)}
+    with pytest.raises(GGUFError, match="positive RoPE frequency factors"):
+        load_llama(write_llama(tmp_path / "z.gguf", cfg, bad))
 
 
 def test_tensors_we_would_ignore_are_refused(tmp_path: Path) -> None:

@@ -227,3 +227,27 @@ def test_every_type_dequantizes_as_ggml_does(ggml, tmp_path: Path, name: str) ->
     assert np.isfinite(expected[probe]).all() and expected[probe].std() > 0
     for tname, arr in gguf_tensors(loaded).items():
         np.testing.assert_array_equal(arr, expected[tname], err_msg=tname)
+
+
+def test_llamacpp_applies_our_rope_freq_factors(smollm2: GGUFFile, tmp_path: Path) -> None:
+    """A model with llama3-style rope_freqs: llama.cpp's log-probs equal ours, and differ from plain RoPE."""
+    from pipeline.convert import donor_tokenizer_metadata, export_llama
+    from pipeline.model import TransformerConfig, init_weights
+
+    base = dict(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=256)
+    factors = tuple(float(f) for f in np.geomspace(1.0, 32.0, 8))
+    ids = list(range(1000, 1040))
+    results = {}
+    for name, cfg in (
+        ("plain", TransformerConfig(**base)),
+        ("scaled", TransformerConfig(**base, rope_freq_factors=factors)),
+    ):
+        model = Llama(cfg)
+        init_weights(model, 0.2, seed=3)
+        path = export_llama(model, tmp_path / f"{name}.gguf", donor_tokenizer_metadata(smollm2), {}, "f32")
+        with torch.no_grad():
+            ours = torch.log_softmax(model(torch.tensor([ids]))[0, -1].double(), -1)
+        theirs = last_logprobs(open_llama(path), ids).double()
+        results[name] = (ours, theirs)
+        assert (ours - theirs).abs().max().item() < 2e-2, name
+    assert (results["plain"][0] - results["scaled"][0]).abs().max().item() > 0.1
