@@ -303,8 +303,8 @@ class CheckpointPlan:
 def compat_dict(
     model_cfg: TransformerConfig, tcfg: TrainConfig, optim: OptimConfig, seed: int, init_fp: str, data_fp: str
 ) -> dict[str, Any]:
-    """What must match for a checkpoint to continue this run."""
-    return {
+    """What must match for a checkpoint to continue this run, as JSON values (the form it is saved in)."""
+    compat = {
         "model": asdict(model_cfg),
         "init_weights": init_fp,
         "data": data_fp,
@@ -312,6 +312,7 @@ def compat_dict(
         "train": {k: getattr(tcfg, k) for k in TRAJECTORY_KEYS},
         "optim": asdict(optim),
     }
+    return json.loads(json.dumps(compat))
 
 
 def plan_checkpoints(
