@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from pipeline.gguf_io import resolve_gguf_path
-    from pipeline.instruct import RowSampler, load_packed, response_loss
+    from pipeline.instruct import RowSampler, load_packed
     from pipeline.lora import LoRAConfig, attach_lora, load_base, lora_parameters, trainable_summary
 
     torch.set_num_threads(args.threads)
@@ -61,9 +61,9 @@ def child(args: argparse.Namespace) -> dict:
     model.train()
     losses, times = [], []
     for _ in range(args.steps):
-        x, y, _ = sampler()
+        x, y, seg = sampler()
         t = time.perf_counter()
-        loss = response_loss(model, x, y)
+        loss = model.loss(x, y, seg)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -133,10 +133,10 @@ def main() -> None:
     from pipeline.tokenizer import tokenizer_from_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
-        # rows are built once here (one example per row: the model takes no segment mask yet)
+        # rows are built once here and packed like the train stage's (segment-masked attention)
         write_pydoc_instruct(tmp)
         g = GGUFFile(resolve_gguf_path("smollm2"))
-        cfg = InstructConfig(max_seq_len=args.seq_len, pack=False)
+        cfg = InstructConfig(max_seq_len=args.seq_len)
         packed = build_instruct(read_instruct_jsonl(Path(tmp) / "train.jsonl"), tokenizer_from_gguf(g), g.metadata, cfg)
         data = save_packed(packed, Path(tmp) / "train.npz")
         del g

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import ConfigError, problem
 
-INITS = ("scratch", "pca", "lens")
+INITS = ("scratch", "pca", "lens", "base")  # base: the GGUF at donor.path itself (fine-tuning)
+TRAINABLE = ("all", "lora")
 ARCHS = ("llama", "gpt2")
 PRECISIONS = ("bf16", "fp32")
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # = pipeline.gguf_io.TENSOR_TYPES (a test checks)
-SOURCES = ("pydoc", "text", "dir", "jsonl")
+SOURCES = ("pydoc", "text", "dir", "jsonl", "instruct")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
@@ -36,21 +37,37 @@ def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class DataConfig:
-    """Which corpus to pack and how to split it."""
+    """Which corpus to pack and how to split it.
 
-    source: str = "pydoc"  # pydoc | text | dir | jsonl
-    path: str = ""  # file (text/jsonl) or directory (dir)
+    `instruct` packs instruction examples instead of running text: `path` is a JSONL file of
+    {"prompt", "response"} or {"messages": [...]} lines, or empty for the built-in pydoc Q/A set;
+    the instruct keys below say how examples become rows (see pipeline.instruct.InstructConfig).
+    """
+
+    source: str = "pydoc"  # pydoc | text | dir | jsonl | instruct
+    path: str = ""  # file (text/jsonl/instruct) or directory (dir); instruct: empty = the pydoc Q/A set
     glob: str = "**/*.txt"  # files to take from a directory
     text_field: str = "text"  # JSONL field holding the document
     val_fraction: float = 0.1
     split_seed: int = 0
     add_bos: str = "auto"  # auto (the GGUF's add_bos_token flag) | true | false
     add_eos: bool = True  # end every document with EOS so the model learns boundaries
+    # instruct only:
+    max_seq_len: int = 512  # tokens per packed row (the training sequence length for instruct data)
+    template: str = "auto"  # auto (the base GGUF's chat template if it has one) | chat | plain
+    plain_prompt: str = "Question: {prompt}\nAnswer: "
+    plain_response: str = "{response}"
+    min_prompt_tokens: int = 1  # truncation cuts the prompt's start down to this, then the response's end
+    pack: bool = True  # several examples per row, attention kept inside each
+    max_chars: int = 600  # pydoc Q/A set: answer length cap (whole paragraphs)
 
     def __post_init__(self) -> None:
         _choice(self.source, "data.source", SOURCES)
+        if self.source == "instruct":
+            self.instruct_config()  # validates the instruct keys, naming them
+            _positive(self.max_chars, "data.max_chars")
         _check(
-            self.source == "pydoc" or bool(self.path),
+            self.source in ("pydoc", "instruct") or bool(self.path),
             "data.path",
             f"a file or directory for data.source={self.source}",
             self.path,
@@ -64,6 +81,18 @@ class DataConfig:
             "use e.g. 0.1",
         )
         _choice(self.add_bos, "data.add_bos", ("auto", "true", "false"))
+
+    def instruct_config(self):  # -> pipeline.instruct.InstructConfig (imported lazily: it needs torch)
+        from pipeline.instruct import InstructConfig
+
+        return InstructConfig(
+            max_seq_len=self.max_seq_len,
+            template=self.template,
+            plain_prompt=self.plain_prompt,
+            plain_response=self.plain_response,
+            min_prompt_tokens=self.min_prompt_tokens,
+            pack=self.pack,
+        )
 
 
 @dataclass
@@ -131,14 +160,70 @@ class ModelConfig:
 
 
 @dataclass
+class LoraSchema:
+    """LoRA adapters (`recipe.trainable=lora`): rank, alpha (scale alpha/rank), dropout, target
+    layers among q, k, v, o, gate, up, down, and the seeded init (A random x init_scale, B zero)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: list[str] = field(default_factory=lambda: ["q", "v"])
+    init_seed: int = 0
+    init_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.to_lora()  # validates, naming the recipe.lora.* key
+
+    def to_lora(self):  # -> pipeline.lora.LoRAConfig (imported lazily: it needs torch)
+        from pipeline.lora import LoRAConfig
+
+        return LoRAConfig(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            targets=tuple(self.targets),
+            init_seed=self.init_seed,
+            init_scale=self.init_scale,
+        )
+
+
+@dataclass
 class RecipeConfig:
-    """How the model is realized: `init` picks scratch, PCA warm-start, or PCA lens."""
+    """How the model is realized and what trains.
+
+    `init`: scratch, PCA warm-start (pca), PCA lens, or `base`, the GGUF at donor.path itself
+    (fine-tuning). `trainable`: all parameters, or only LoRA adapters on a frozen base;
+    `quantized` (QLoRA) keeps the frozen base's matrices in their GGUF block format.
+    """
 
     name: str = "warm-start"
     init: str = "pca"
+    trainable: str = "all"  # all | lora
+    quantized: bool = False
+    lora: LoraSchema = field(default_factory=LoraSchema)
 
     def __post_init__(self) -> None:
         _choice(self.init, "recipe.init", INITS)
+        _choice(self.trainable, "recipe.trainable", TRAINABLE)
+        _check(
+            self.trainable == "all" or self.init == "base",
+            "recipe.init",
+            "base (adapters train on a pretrained GGUF) with recipe.trainable=lora",
+            self.init,
+            "use recipe=lora or recipe=qlora, or set recipe.trainable=all",
+        )
+        _check(
+            not self.quantized or self.trainable == "lora",
+            "recipe.quantized",
+            "false unless recipe.trainable=lora (quantized blocks are frozen)",
+            self.quantized,
+            "use recipe=qlora, or set recipe.quantized=false",
+        )
+
+    @property
+    def finetune(self) -> bool:
+        """The model is a pretrained GGUF (donor.path), not built from `model`."""
+        return self.init == "base"
 
 
 @dataclass
@@ -182,7 +267,7 @@ class TrainConfig:
 
     steps: int = 400
     batch_size: int = 8
-    seq_len: int = 128
+    seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
     grad_accum: int = 1
     precision: str = "bf16"  # bf16 autocast (default on CPU with AMX) | fp32
     eval_every: int = 100
@@ -268,12 +353,16 @@ class PipelineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        if self.recipe.finetune:  # the base GGUF fixes the context length; train checks against it
+            return
+        length_key = "data.max_seq_len" if self.data.source == "instruct" else "train.seq_len"
+        length = self.data.max_seq_len if self.data.source == "instruct" else self.train.seq_len
         _check(
-            self.train.seq_len <= self.model.context_length,
-            "train.seq_len",
+            length <= self.model.context_length,
+            length_key,
             f"at most model.context_length={self.model.context_length}",
-            self.train.seq_len,
-            "lower train.seq_len or raise model.context_length",
+            length,
+            f"lower {length_key} or raise model.context_length",
         )
 
 

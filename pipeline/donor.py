@@ -121,17 +121,24 @@ def pca(table: np.ndarray, k: int) -> PCAResult:
 def run_donor(
     donor_path: Path, packed_vocab: int, packed_meta: Path, d_model: int, init: str, out_dir: Path
 ) -> tuple[PCAResult, dict[str, float]]:
-    """The donor stage: read, check against the packed data and the model width, PCA, save."""
+    """The donor stage: read, check against the packed data and the model width, PCA, save.
+
+    With `init=base` (fine-tuning the donor itself) there is no PCA: only the checks and meta.json.
+    """
     import json
 
     from pipeline.atomic import atomic_dir
 
     donor = read_donor_embeddings(donor_path)
     check_vocab(donor, packed_vocab, packed_meta)
-    check_width(donor, d_model, init)
-    result = pca(donor.table, d_model)
+    if init == "base":  # fine-tuning the donor itself: nothing to project
+        result = PCAResult(*(np.zeros((0,) * n, dtype=np.float32) for n in (2, 1, 2, 1)))
+    else:
+        check_width(donor, d_model, init)
+        result = pca(donor.table, d_model)
     with atomic_dir(out_dir) as tmp:
-        result.save(tmp / "pca.safetensors")
+        if init != "base":
+            result.save(tmp / "pca.safetensors")
         info = {
             "path": str(donor.path),
             "architecture": donor.architecture,

@@ -1,15 +1,23 @@
-"""Evaluate an exported GGUF through our own reader: proves the export is the trained model."""
+"""Evaluate an exported GGUF through our own reader: proves the export is the trained model.
+
+On instruct data the number is the held-out response NLL (prompt tokens masked), and with a base
+GGUF (fine-tuning recipes) the base's NLL on the same rows is measured beside it.
+"""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from pipeline.architectures import load_gguf
 from pipeline.config import EvaluateConfig
 from pipeline.errors import PipelineError
-from pipeline.generate import generate_ids
-from pipeline.pack import load_split
+from pipeline.generate import default_stop_ids, generate_ids
+from pipeline.instruct import response_nll
+from pipeline.pack import load_data, load_meta, load_split
 from pipeline.tokenizer import tokenizer_from_gguf
 from pipeline.train import evaluate_loss, pick_device
 
@@ -26,13 +34,22 @@ def run_evaluate(
     trained_val_loss: float | None,
     export_dtype: str,
     device: str = "auto",
+    base_gguf: Path | None = None,
+    instruct: Any = None,
 ) -> tuple[dict[str, float], list[dict[str, str]]]:
-    """Val loss/perplexity of the GGUF and samples (greedy and temperature/top-k) per prompt."""
+    """Val loss/perplexity of the GGUF and samples (greedy and temperature/top-k) per prompt.
+
+    Instruct data (`instruct`: its InstructConfig): response NLL over the val rows, the base GGUF's
+    beside it, and greedy answers of both to the first held-out prompts.
+    """
     model, g = load_gguf(gguf_path)
     tok = tokenizer_from_gguf(g)
     dev = pick_device(device)
     model.to(dev)
-    val_loss = evaluate_loss(model, load_split(packed_dir, "val"), seq_len, batch_size, dev)
+    if load_meta(packed_dir).format == "instruct":
+        val_loss = response_nll(model, load_data(packed_dir, "val"), batch_size, dev)
+    else:
+        val_loss = evaluate_loss(model, load_split(packed_dir, "val"), seq_len, batch_size, dev)
     metrics = {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
     if trained_val_loss is not None:
         diff = abs(val_loss - trained_val_loss)
@@ -43,6 +60,8 @@ def run_evaluate(
                 f"{gguf_path}: expected val loss {trained_val_loss:.6f} (train stage) within {F32_TOLERANCE}, "
                 f"found {val_loss:.6f}; fix: the export does not reproduce the trained model, re-run export"
             )
+    if load_meta(packed_dir).format == "instruct":
+        return _evaluate_instruct(model, g, tok, packed_dir, batch_size, ecfg, dev, metrics, base_gguf, instruct)
     stops = tuple(i for i in (tok.eos_id,) if i is not None)
     samples = []
     for prompt in ecfg.prompts:
@@ -52,4 +71,43 @@ def run_evaluate(
         greedy = generate_ids(model, ids, ecfg.max_new_tokens, stop_ids=stops)
         sampled = generate_ids(model, ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_k, ecfg.seed, stops)
         samples.append({"prompt": prompt, "greedy": tok.decode(greedy), "sampled": tok.decode(sampled)})
+    return metrics, samples
+
+
+def _evaluate_instruct(
+    model: torch.nn.Module,
+    g: Any,
+    tok: Any,
+    packed_dir: Path,
+    batch_size: int,
+    ecfg: EvaluateConfig,
+    dev: torch.device,
+    metrics: dict[str, float],
+    base_gguf: Path | None,
+    instruct: Any,
+) -> tuple[dict[str, float], list[dict[str, str]]]:
+    """Base-model NLL beside the tuned one, and greedy answers of both to held-out prompts."""
+    from pipeline.instruct import Formatter, read_instruct_jsonl
+
+    base = None
+    if base_gguf is not None:
+        base, _ = load_gguf(base_gguf)
+        base.to(dev)
+        base_loss = response_nll(base, load_data(packed_dir, "val"), batch_size, dev)
+        metrics.update(
+            base_val_loss=base_loss,
+            base_val_ppl=math.exp(base_loss),
+            val_loss_improvement=base_loss - metrics["val_loss"],
+        )
+    examples = read_instruct_jsonl(Path(packed_dir) / "val.jsonl")[: len(ecfg.prompts)]
+    fmt = Formatter(tok, g.metadata, instruct)
+    stops = default_stop_ids(tok, chat=True)
+    samples = []
+    for ex in examples:
+        ids, _ = fmt.encode(ex)
+        sample = {"prompt": ex.messages[-1]["content"], "reference": ex.response}
+        sample["tuned"] = tok.decode(generate_ids(model, ids, ecfg.max_new_tokens, stop_ids=stops))
+        if base is not None:
+            sample["base"] = tok.decode(generate_ids(base, ids, ecfg.max_new_tokens, stop_ids=stops))
+        samples.append(sample)
     return metrics, samples

@@ -4,10 +4,9 @@ Each example is a prompt (a conversation) and a response. It is rendered with th
 chat template (sandboxed, `pipeline.chat.render_chat`) or a plain template, tokenized as
 prompt ids + response ids, and turned into next-token pairs: position t holds token t and its
 label is token t+1 when that token belongs to the response, else -100 (ignored by
-`F.cross_entropy(ignore_index=-100)`). Several examples share a row when `pack` is on; `segment_ids`
-(1, 2, ... per example, 0 for padding) let the model restrict attention to each example with
-`segment_causal_mask`. Because RoPE scores depend only on relative positions, positions need not
-restart per segment.
+`F.cross_entropy(ignore_index=-100)` and by `Llama.loss`). Several examples share a row when `pack`
+is on; `segment_ids` (1, 2, ... per example, 0 for padding) make `Llama.loss` restrict attention
+to each example (`pipeline.model.segment_causal_mask`).
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import ConfigError, DataError, problem
+from pipeline.losses import IGNORE_INDEX
+from pipeline.model import segment_causal_mask  # noqa: F401  (re-exported with the packed data it masks)
 
-IGNORE_INDEX = -100
 TEMPLATES = ("auto", "chat", "plain")
 
 
@@ -322,47 +322,71 @@ def load_packed(path: str | os.PathLike[str]) -> Packed:
 # ----- training-side helpers -----
 
 
-def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) segment ids -> (B, 1, T, T) bool, True where query i may attend key j:
-    same segment and j <= i. Padding (segment 0) attends to padding only, so no row is empty.
-    Pass it as `attn_mask` to scaled_dot_product_attention (instead of is_causal=True)."""
-    t = segment_ids.shape[-1]
-    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
-    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
-    return (same & causal).unsqueeze(1)
-
-
 def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token NLL over positions whose label is not -100 (fp32 softmax)."""
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def response_loss(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean NLL of the labelled (response) positions through the model's chunked head, so the
-    (tokens x vocab) logits are never held. Rows must hold one example each (unpacked) until the
-    model takes a segment mask: causal attention alone is exact then, padding being at the end."""
-    from pipeline.losses import linear_cross_entropy
-
-    keep = labels.flatten() != IGNORE_INDEX
-    h = model.hidden(x).flatten(0, 1)[keep]
-    return linear_cross_entropy(h, model.head_weight(), labels.flatten()[keep])
-
-
 class RowSampler:
-    """Random rows (with replacement) of packed data from a seeded generator: (x, labels, segment_ids)."""
+    """Batches of packed rows (x, labels, segment_ids), epoch by epoch: each epoch visits every row
+    once in a fresh seeded order; a batch may straddle two epochs. Its future is its state."""
 
     def __init__(self, packed: Packed, batch_size: int, seed: int):
         self.packed, self.batch_size = packed, batch_size
         self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(len(packed.input_ids))
+        self.drawn = 0  # rows handed out so far, over all epochs
+
+    @property
+    def rows(self) -> int:
+        return len(self.packed.input_ids)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed so far (fractional)."""
+        return self.drawn / self.rows
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = self.rng.integers(0, len(self.packed.input_ids), size=self.batch_size)
+        picks = []
+        for _ in range(self.batch_size):
+            at = self.drawn % self.rows
+            if at == 0 and self.drawn > 0:
+                self.order = self.rng.permutation(self.rows)
+            picks.append(int(self.order[at]))
+            self.drawn += 1
         p = self.packed
         return (
-            torch.from_numpy(p.input_ids[rows]),
-            torch.from_numpy(p.labels[rows]),
-            torch.from_numpy(p.segment_ids[rows].astype(np.int64)),
+            torch.from_numpy(p.input_ids[picks]),
+            torch.from_numpy(p.labels[picks]),
+            torch.from_numpy(p.segment_ids[picks].astype(np.int64)),
         )
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist(), "drawn": self.drawn}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"], dtype=np.int64)
+        self.drawn = int(state["drawn"])
+
+
+@torch.no_grad()
+def response_nll(model: torch.nn.Module, packed: Packed, batch_size: int, device: torch.device) -> float:
+    """Token-weighted mean NLL of every labelled (response) position of `packed`, fp32, no sampling:
+    the held-out number the train stage reports and the evaluate stage reproduces from a GGUF."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(packed.input_ids), batch_size):
+        x = torch.from_numpy(packed.input_ids[i : i + batch_size]).to(device)
+        y = torch.from_numpy(packed.labels[i : i + batch_size]).to(device)
+        seg = torch.from_numpy(packed.segment_ids[i : i + batch_size].astype(np.int64)).to(device)
+        n = int((y != IGNORE_INDEX).sum())
+        if n:
+            total += float(model.loss(x, y, seg)) * n
+            count += n
+    model.train(was_training)
+    return total / max(count, 1)
 
 
 # ----- the default data set: question/answer pairs from the Python language reference -----
@@ -453,3 +477,84 @@ def write_pydoc_instruct(
     for name, rows in split.items():
         write_text(out / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return {"train": len(split["train"]), "val": len(split["val"]), "topics": len(topics)}
+
+
+# ----- the pack stage for data.source=instruct -----
+
+
+def split_examples(lines: list[str], val_fraction: float, seed: int) -> dict[str, list[str]]:
+    """A seeded split of example lines, at least one on each side, order kept within a split."""
+    if len(lines) < 2:
+        raise DataError(
+            problem("instruct data", "at least 2 examples (one train, one val)", str(len(lines)), "add examples")
+        )
+    order = list(range(len(lines)))
+    random.Random(seed).shuffle(order)
+    n_val = min(len(lines) - 1, max(1, round(val_fraction * len(lines))))
+    val = set(order[:n_val])
+    return {
+        "train": [x for i, x in enumerate(lines) if i not in val],
+        "val": [x for i, x in enumerate(lines) if i in val],
+    }
+
+
+def write_instruct_splits(data: Any, out_dir: Path) -> dict[str, int]:
+    """`train.jsonl` / `val.jsonl` in `out_dir`: the pydoc Q/A set (data.path empty, split by topic)
+    or the lines of the JSONL at data.path, every line validated first (errors name the line)."""
+    from pipeline.atomic import write_text
+
+    if not data.path:
+        return write_pydoc_instruct(out_dir, data.val_fraction, data.split_seed, data.max_chars)
+    read_instruct_jsonl(data.path)  # a malformed line is an error naming it, before anything is written
+    lines = [line for line in Path(data.path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    split = split_examples(lines, data.val_fraction, data.split_seed)
+    for name, rows in split.items():
+        write_text(Path(out_dir) / f"{name}.jsonl", "".join(r + "\n" for r in rows))
+    return {"train": len(split["train"]), "val": len(split["val"])}
+
+
+def pack_instruct(data: Any, tokenizer: Any, metadata: dict[str, Any], out_dir: Path) -> tuple[Any, dict[str, float]]:
+    """The pack stage for instruct data (`data` is a DataConfig): split, format with the base's chat
+    template (or the plain one), truncate, pack, and write `out_dir` atomically."""
+    import hashlib
+    import time
+    from dataclasses import asdict
+
+    from pipeline.atomic import atomic_dir, write_json
+    from pipeline.pack import PackMeta
+
+    start = time.perf_counter()
+    cfg = data.instruct_config()
+    with atomic_dir(out_dir) as tmp:
+        write_instruct_splits(data, tmp)
+        packed = {
+            name: build_instruct(read_instruct_jsonl(tmp / f"{name}.jsonl"), tokenizer, metadata, cfg)
+            for name in ("train", "val")
+        }
+        for name, p in packed.items():
+            save_packed(p, tmp / f"{name}.npz")
+        sha = hashlib.sha256(b"".join((tmp / f"{n}.jsonl").read_bytes() for n in ("train", "val"))).hexdigest()
+        ids = np.concatenate([p.input_ids[p.segment_ids > 0] for p in packed.values()])
+        meta = PackMeta(
+            vocab_size=tokenizer.vocab_size,
+            dtype="int64",
+            tokenizer_fingerprint=tokenizer.fingerprint(),
+            corpus_sha256=sha,
+            source="instruct",
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            documents={n: p.stats["examples"] for n, p in packed.items()},
+            tokens={n: p.stats["filled_positions"] for n, p in packed.items()},
+            distinct_tokens=int(np.unique(ids).size),
+            format="instruct",
+            seq_len=cfg.max_seq_len,
+            stats={n: p.stats for n, p in packed.items()},
+        )
+        write_json(tmp / "meta.json", asdict(meta))
+    elapsed = time.perf_counter() - start
+    metrics: dict[str, float] = {"seconds": elapsed, "chat_template": float(packed["train"].stats["chat_template"])}
+    for name, p in packed.items():
+        for key in ("examples", "truncated", "rows", "label_tokens", "prompt_tokens", "response_tokens"):
+            metrics[f"{key}_{name}"] = float(p.stats[key])
+    metrics["tokens"] = float(sum(p.stats["filled_positions"] for p in packed.values()))
+    return meta, metrics

@@ -56,23 +56,34 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
-            raise ConfigError(problem("config key lora.rank", "an integer >= 1", repr(self.rank), "set lora.rank=8"))
+            raise ConfigError(
+                problem("config key recipe.lora.rank", "an integer >= 1", repr(self.rank), "set recipe.lora.rank=8")
+            )
         if not self.alpha > 0:
-            raise ConfigError(problem("config key lora.alpha", "a number > 0", repr(self.alpha), "set lora.alpha=16"))
+            raise ConfigError(
+                problem("config key recipe.lora.alpha", "a number > 0", repr(self.alpha), "set recipe.lora.alpha=16")
+            )
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(problem("config key lora.dropout", "in [0, 1)", repr(self.dropout), "set lora.dropout=0"))
+            raise ConfigError(
+                problem("config key recipe.lora.dropout", "in [0, 1)", repr(self.dropout), "set recipe.lora.dropout=0")
+            )
         if not self.init_scale >= 0:
             raise ConfigError(
-                problem("config key lora.init_scale", "a number >= 0", repr(self.init_scale), "set lora.init_scale=1")
+                problem(
+                    "config key recipe.lora.init_scale",
+                    "a number >= 0",
+                    repr(self.init_scale),
+                    "set recipe.lora.init_scale=1",
+                )
             )
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ConfigError(
                 problem(
-                    "config key lora.targets",
+                    "config key recipe.lora.targets",
                     f"a non-empty list of distinct names among {list(TARGETS)}",
                     f"{list(self.targets)}" + (f" (unknown: {unknown})" if unknown else ""),
-                    "use e.g. lora.targets=[q,v]",
+                    "use e.g. recipe.lora.targets=[q,v]",
                 )
             )
 
@@ -150,7 +161,7 @@ def attach_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
             found = "no such layer" if layer is None else type(layer).__name__
             raise ConfigError(
                 problem(
-                    f"config key lora.targets ({path})",
+                    f"config key recipe.lora.targets ({path})",
                     "a plain linear layer of the model",
                     found,
                     "target q,k,v,o,gate,up,down of a llama model without adapters attached",
@@ -160,10 +171,10 @@ def attach_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
         if cfg.rank > width:
             raise ConfigError(
                 problem(
-                    "config key lora.rank",
+                    "config key recipe.lora.rank",
                     f"at most the width of {path} ({layer.out_features}x{layer.in_features}): {width}",
                     str(cfg.rank),
-                    f"set lora.rank <= {width}",
+                    f"set recipe.lora.rank <= {width}",
                 )
             )
     freeze(model)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
@@ -80,3 +81,13 @@ def linear_cross_entropy(
     """
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
+
+
+def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `h` (N, d) and `targets` (N,) whose target is not IGNORE_INDEX (all rows when none is)."""
+    keep = targets != IGNORE_INDEX
+    if bool(keep.all()):
+        return h, targets
+    if not bool(keep.any()):
+        raise ValueError("every target is IGNORE_INDEX: a batch without any position to learn")
+    return h[keep], targets[keep]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, problem
-from pipeline.losses import linear_cross_entropy
+from pipeline.losses import linear_cross_entropy, select_targets
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`mask` (B, 1, T, T) bool, True = may attend, replaces the causal mask (packed examples)."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.wq(x).view(b, t, self.cfg.n_head, hd).transpose(1, 2)
@@ -126,7 +133,9 @@ class Attention(nn.Module):
         if groups > 1:  # query head h reads kv head h // groups, as llama.cpp does
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if cache is None:
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(t, k.shape[2], x.device))
@@ -139,6 +148,16 @@ def _causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor | Non
         return None
     offset = t_k - t_q
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids -> (B, 1, T, T) bool, True where query i may attend key j: same segment
+    and j <= i. Padding (segment 0) attends to padding only, so no row of the mask is empty.
+    RoPE scores depend only on relative positions, so positions need not restart per segment."""
+    t = segment_ids.shape[-1]
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    return (same & causal).unsqueeze(1)
 
 
 class KVCache:
@@ -184,9 +203,15 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, mask)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -209,8 +234,13 @@ class Llama(nn.Module):
             return self.tok_embd.weight
         return self.lens(self.tok_embd.weight)
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens."""
+    def hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens.
+
+        `segment_ids` (B, T) keeps attention inside each packed example (`segment_causal_mask`).
+        """
         start = 0 if cache is None else cache.length
         end = start + idx.shape[1]
         if end > self.cfg.context_length:
@@ -218,8 +248,11 @@ class Llama(nn.Module):
         x = self.tok_embd(idx) if self.lens is None else self.lens(self.tok_embd(idx))
         cos, sin = rope_tables(self.cfg, end, idx.device)
         cos, sin = cos[start:], sin[start:]
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids are for training rows, not for cached decoding")
+        mask = None if segment_ids is None else segment_causal_mask(segment_ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, i)
+            x = block(x, cos, sin, cache, i, mask)
         return self.norm(x)
 
     def head_weight(self) -> torch.Tensor:
@@ -229,16 +262,16 @@ class Llama(nn.Module):
         """Logits (B, T, vocab)."""
         return F.linear(self.hidden(idx, cache), self.head_weight())
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (softmax in fp32).
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (softmax in fp32) over targets that are not IGNORE_INDEX.
 
         With gradients on, the head and the softmax run chunked (`linear_cross_entropy`), so the
         (tokens x vocab) fp32 logits are never materialised; without, the plain path.
         """
-        h = self.hidden(idx).flatten(0, 1)
+        h, t = select_targets(self.hidden(idx, segment_ids=segment_ids).flatten(0, 1), targets.flatten())
         if torch.is_grad_enabled():
-            return linear_cross_entropy(h, self.head_weight(), targets.flatten())
-        return F.cross_entropy(F.linear(h, self.head_weight()).float(), targets.flatten())
+            return linear_cross_entropy(h, self.head_weight(), t)
+        return F.cross_entropy(F.linear(h, self.head_weight()).float(), t)
 
 
 def init_weights(model: Llama, std: float, seed: int) -> None:

@@ -3,6 +3,10 @@
 Layout of the output directory: `train.bin` and `val.bin` (raw little-endian uint16 when the
 vocab fits, else uint32) and `meta.json` (vocab size, dtype, tokenizer fingerprint, corpus
 sha256, counts). Documents are split, not tokens, so no document leaks from train into val.
+
+`data.source=instruct` packs instruction examples instead (`pipeline.instruct.pack_instruct`):
+`train.npz` / `val.npz` rows with response-only labels and segment ids, the examples as
+`train.jsonl` / `val.jsonl`, and the same `meta.json` with `format: instruct`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class PackMeta:
     documents: dict[str, int]
     tokens: dict[str, int]
     distinct_tokens: int
+    format: str = "tokens"  # tokens (train.bin/val.bin) | instruct (train.npz/val.npz rows)
+    seq_len: int = 0  # instruct: row length
+    stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
 
 
 def split_documents(docs: list[Document], val_fraction: float, seed: int) -> dict[str, list[Document]]:
@@ -119,9 +126,34 @@ def load_meta(packed_dir: Path) -> PackMeta:
         raise DataError(problem(str(path), "a pack meta.json", f"unreadable ({e})", "re-run: dvc repro pack")) from None
 
 
+def data_files(packed_dir: Path) -> list[Path]:
+    """The files that identify the packed data (for checkpoint compatibility)."""
+    names = ("meta.json", "train.npz", "val.npz") if load_meta(packed_dir).format == "instruct" else None
+    names = names or ("meta.json", "train.bin", "val.bin")
+    return [Path(packed_dir) / n for n in names]
+
+
+def load_data(packed_dir: Path, split: str):  # -> np.memmap | pipeline.instruct.Packed
+    """One split as the training loop takes it: token ids, or instruct rows."""
+    if load_meta(packed_dir).format == "instruct":
+        from pipeline.instruct import load_packed
+
+        return load_packed(Path(packed_dir) / f"{split}.npz")
+    return load_split(packed_dir, split)
+
+
 def load_split(packed_dir: Path, split: str) -> np.memmap:
     """One split's ids as a read-only memmap (the whole corpus is never loaded into RAM)."""
     meta = load_meta(packed_dir)
+    if meta.format != "tokens":
+        raise DataError(
+            problem(
+                str(packed_dir),
+                "running-text token ids (train.bin/val.bin)",
+                f"{meta.format} data (data.source={meta.source})",
+                "use text data here, or a stage that takes instruct rows",
+            )
+        )
     path = Path(packed_dir) / f"{split}.bin"
     expected = meta.tokens[split] * np.dtype(meta.dtype).itemsize
     if not path.is_file() or path.stat().st_size != expected:
@@ -136,5 +168,10 @@ def run_pack(data: DataConfig, donor_path: Path, out_dir: Path) -> tuple[PackMet
     from pipeline.gguf_io import GGUFFile
     from pipeline.tokenizer import tokenizer_from_gguf
 
-    tok = tokenizer_from_gguf(GGUFFile(donor_path))
+    g = GGUFFile(donor_path)
+    tok = tokenizer_from_gguf(g)
+    if data.source == "instruct":
+        from pipeline.instruct import pack_instruct
+
+        return pack_instruct(data, tok, g.metadata, out_dir)
     return pack(load_documents(data), tok, data, out_dir)

@@ -150,29 +150,61 @@ def check_split_fits(n_tokens: int, split: str, batch_size: int, seq_len: int) -
         )
 
 
-def check_config(model: nn.Module, n_train: int, n_val: int, tcfg: TrainConfig, optim: OptimConfig) -> None:
+def is_rows(data: Any) -> bool:
+    """Instruct data (packed rows with labels and segments) rather than a token stream."""
+    return hasattr(data, "segment_ids")
+
+
+def sequence_length(data: Any, tcfg: TrainConfig) -> int:
+    """Positions per training row: train.seq_len for token streams, the packed row length for rows."""
+    return int(data.input_ids.shape[1]) if is_rows(data) else tcfg.seq_len
+
+
+def check_config(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainConfig, optim: OptimConfig) -> None:
     """Everything about the batch shape and options that the data, model or job cannot serve."""
-    if tcfg.seq_len > model.cfg.context_length:
+    length = sequence_length(train_data, tcfg)
+    key = "data.max_seq_len" if is_rows(train_data) else "train.seq_len"
+    if length > model.cfg.context_length:
         raise ConfigError(
             problem(
-                "config key train.seq_len",
+                f"config key {key}",
                 f"at most the model's context_length={model.cfg.context_length}",
-                str(tcfg.seq_len),
-                "lower train.seq_len",
+                str(length),
+                f"lower {key}",
             )
         )
     if tcfg.grad_accum < 1:
         raise ConfigError(
             problem("config key train.grad_accum", "an integer >= 1", str(tcfg.grad_accum), "use 1 for none")
         )
-    check_split_fits(n_train, "train", tcfg.batch_size, tcfg.seq_len)
-    check_split_fits(n_val, "val", 1, tcfg.seq_len)
+    if not is_rows(train_data):
+        check_split_fits(len(train_data), "train", tcfg.batch_size, tcfg.seq_len)
+        check_split_fits(len(val_data), "val", 1, tcfg.seq_len)
     info = dist.env_info()
     dist.check_batch_divides(tcfg.batch_size, info)
     if optim.name == "lbfgs" and info.enabled and tcfg.parallel == "fsdp":
         raise ConfigError(
             problem("config key optim.name", "adamw with train.parallel=fsdp", "lbfgs", "use DDP or AdamW")
         )
+
+
+def make_sampler(data: Any, tcfg: TrainConfig, seed: int) -> Any:
+    """Seeded batches: random windows of a token stream, or epochs over packed rows."""
+    if is_rows(data):
+        from pipeline.instruct import RowSampler
+
+        return RowSampler(data, tcfg.batch_size, seed)
+    return BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
+
+
+def validation_loss(model: nn.Module, data: Any, tcfg: TrainConfig, device: torch.device) -> float:
+    """The deterministic fp32 val loss: every window of a token stream, or every labelled (response)
+    position of packed rows."""
+    if is_rows(data):
+        from pipeline.instruct import response_nll
+
+        return response_nll(model, data, tcfg.batch_size, device)
+    return evaluate_loss(model, data, tcfg.seq_len, tcfg.batch_size, device)
 
 
 @torch.no_grad()
@@ -262,8 +294,14 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(idx) if targets is None else self.model.loss(idx, targets)
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if targets is None:
+            return self.model(idx)
+        if segment_ids is None:
+            return self.model.loss(idx, targets)
+        return self.model.loss(idx, targets, segment_ids)
 
 
 @dataclass
@@ -279,6 +317,7 @@ class TrainResult:
     checkpoint: str | None = None  # the final checkpoint
     weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # full, on the main rank
     optimizer_state: dict[str, Any] | None = field(default=None, repr=False)  # name-keyed, main rank
+    initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base model's)
 
     @property
     def final_val_ppl(self) -> float:
@@ -330,18 +369,18 @@ def plan_checkpoints(
     reported and skipped); `never`: none; a path: that checkpoint, which must have been made with
     this configuration (else a ConfigError naming the differing keys).
     """
-    from pipeline.pack import load_meta
+    from pipeline.finetune import weight_files
+    from pipeline.pack import data_files
 
     init_dir, packed_dir = Path(init_dir), Path(packed_dir)
-    load_meta(packed_dir)  # a named error when the pack stage has not run
-    for name in ("config.json", "model.safetensors"):
-        if not (init_dir / name).is_file():
-            raise ConfigError(
-                problem(str(init_dir / name), "initial weights", "no such file", "run: dvc repro realize")
-            )
+    data_fp = ckpt.fingerprint(data_files(packed_dir))  # a named error when the pack stage has not run
+    weights = weight_files(init_dir)
+    if not (init_dir / "config.json").is_file() or not weights:
+        raise ConfigError(
+            problem(str(init_dir), "initial weights (config.json + weights)", "no such files", "run: dvc repro realize")
+        )
     model_cfg = TransformerConfig.load(init_dir / "config.json")
-    init_fp = ckpt.fingerprint([init_dir / "model.safetensors"])
-    data_fp = ckpt.fingerprint([packed_dir / n for n in ("meta.json", "train.bin", "val.bin")])
+    init_fp = ckpt.fingerprint(weights)
     compat = compat_dict(model_cfg, tcfg, optim, seed, init_fp, data_fp)
     root = Path(checkpoint_dir) / ckpt.config_key(compat)
     plan = CheckpointPlan(root, compat, None, tcfg.keep_checkpoints, tcfg.checkpoint_every)
@@ -421,6 +460,9 @@ class _Session:
         self.opt = make_optimizer(self.module, optim)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.eval_module = self.module if self.fsdp else model
+        # a frozen base (LoRA) is re-read from its file: snapshots hold only what trains
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        self.keep = None if len(trainable) == len(self.names) else trainable
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Full weights and name-keyed optimizer state on CPU (a collective under FSDP)."""
@@ -432,7 +474,7 @@ class _Session:
             )
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = _strip(get_model_state_dict(self.module, options=opts))
+            weights = self._kept(_strip(get_model_state_dict(self.module, options=opts)))
             osd = get_optimizer_state_dict(self.module, self.opt, options=opts)
             if osd:
                 osd = {
@@ -440,8 +482,11 @@ class _Session:
                     "param_groups": [{**g, "params": [_unprefix(n) for n in g["params"]]} for g in osd["param_groups"]],
                 }
             return weights, osd
-        weights = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+        weights = {k: v.detach().cpu().contiguous() for k, v in self._kept(self.model.state_dict()).items()}
         return weights, _named_optimizer_state(self.opt, self.names)
+
+    def _kept(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state if self.keep is None else {k: v for k, v in state.items() if k in self.keep}
 
     def load_optimizer(self, named: dict[str, Any]) -> None:
         if self.fsdp:
@@ -514,7 +559,7 @@ def _save_checkpoint(
     plan: CheckpointPlan,
     step: int,
     session: _Session,
-    sampler: BatchSampler,
+    sampler: Any,
     extra: dict[str, Any],
 ) -> Path | None:
     """Every rank takes part (the FSDP gather); rank 0 writes."""
@@ -540,10 +585,22 @@ def _load_checkpoint(found: ckpt.Checkpoint, model: nn.Module) -> None:
     """Weights into the (still unwrapped) model; the rest is restored once the optimizer exists."""
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(found.path / "model.safetensors")), strict=True)
+    state = load_file(str(found.path / "model.safetensors"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    partial = set(state) == trainable and len(trainable) < len(model.state_dict())  # adapters only
+    missing, unexpected = model.load_state_dict(state, strict=not partial)
+    if unexpected:
+        raise ConfigError(
+            problem(
+                f"{found.path}/model.safetensors",
+                "this model's tensors",
+                f"unexpected {unexpected[:3]}",
+                "resume=never",
+            )
+        )
 
 
-def _restore(found: ckpt.Checkpoint, session: _Session, sampler: BatchSampler, keys: list[str]) -> dict[str, Any]:
+def _restore(found: ckpt.Checkpoint, session: _Session, sampler: Any, keys: list[str]) -> dict[str, Any]:
     """Optimizer, sampler and RNG states from a checkpoint; returns its loop counters (`keys`)."""
     session.load_optimizer(torch.load(found.path / "optimizer.pt", weights_only=True))
     sampler.set_state(found.state["sampler"])
@@ -565,8 +622,8 @@ def _clip(params: list[nn.Parameter], max_norm: float) -> float:
 
 def train(
     model: Llama,
-    train_data: np.ndarray,
-    val_data: np.ndarray,
+    train_data: Any,
+    val_data: Any,
     tcfg: TrainConfig,
     optim: OptimConfig,
     seed: int,
@@ -578,6 +635,10 @@ def train(
 ) -> tuple[TrainResult, torch.optim.Optimizer]:
     """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
 
+    The data are token streams (np arrays: random windows of train.seq_len) or packed instruct rows
+    (`pipeline.instruct.Packed`: epochs over the rows, response-only loss, segment-masked
+    attention, an extra validation at step 0 and at the end of every epoch).
+
     With a `plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
     from `plan.resume` if set. `flush` is called before each checkpoint so the tracker holds every
     metric up to it.
@@ -586,7 +647,7 @@ def train(
 
     log = log or (lambda metrics, step: None)
     flush = flush or (lambda: None)
-    check_config(model, len(train_data), len(val_data), tcfg, optim)
+    check_config(model, train_data, val_data, tcfg, optim)
     if tcfg.threads > 0:
         torch.set_num_threads(tcfg.threads)
     info = dist.env_info()
@@ -606,25 +667,35 @@ def train(
         compile_blocks(model)
     session = _Session(model, tcfg, optim, device)
     opt = session.opt
-    sampler = BatchSampler(train_data, tcfg.batch_size, tcfg.seq_len, seed)
-    state: dict[str, Any] = {"history": [], "skipped_steps": 0, "seconds": 0.0}
+    sampler = make_sampler(train_data, tcfg, seed)
+    rows = is_rows(train_data)
+    state: dict[str, Any] = {"history": [], "skipped_steps": 0, "seconds": 0.0, "initial_val_loss": None}
     if resume is not None:
         state = _restore(resume, session, sampler, list(state))
     elif plan is not None and tcfg.resume == "never" and info.is_main:
         ckpt.remove_newer(plan.root, 0)
     start_step = 0 if resume is None else resume.step
     history: list[dict[str, float]] = state["history"]
-    tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum
+    tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
     params = [p for p in session.module.parameters() if p.requires_grad]
     started = time.perf_counter()
     last_checkpoint = None if resume is None else str(resume.path)
     loss_value = history[-1]["train_loss"] if history else float("nan")
 
-    def forward_backward(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def validate() -> float:
+        return validation_loss(session.eval_module, val_data, tcfg, device)
+
+    if rows and state["initial_val_loss"] is None:  # the base model's held-out loss, before any step
+        state["initial_val_loss"] = validate()
+        if info.is_main:
+            log({"val_loss": state["initial_val_loss"], "val_ppl": math.exp(state["initial_val_loss"])}, 0)
+    epoch_losses: list[float] = []
+
+    def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         total = torch.zeros((), device=device)
-        for i, (x, y) in enumerate(batches):
+        for i, batch in enumerate(batches):
             with session.grad_sync(i == len(batches) - 1), autocast(device, tcfg.precision):
-                loss = session.module(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                loss = session.module(*(t.to(device, non_blocking=True) for t in batch))
             (loss / len(batches)).backward()
             total += loss.detach().float()
         return dist.mean_across(total / len(batches), info)
@@ -644,6 +715,7 @@ def train(
             lr = lr_at(step, optim, tcfg.steps)
             for group in opt.param_groups:
                 group["lr"] = lr
+            epoch_before = int(sampler.epoch) if rows else 0
             batches = [tuple(dist.shard_rows(t, info) for t in sampler()) for _ in range(tcfg.grad_accum)]
             if optim.name == "lbfgs":
                 loss_value, grad_norm = _lbfgs_step(opt, forward_backward, batches, params, optim.grad_clip)
@@ -665,10 +737,19 @@ def train(
             if tcfg.skip_nonfinite:
                 row["skipped_steps"] = float(state["skipped_steps"])
             done = step + 1
-            if done % tcfg.eval_every == 0 or done == tcfg.steps:
-                row["val_loss"] = evaluate_loss(session.eval_module, val_data, tcfg.seq_len, tcfg.batch_size, device)
+            epoch_end = False
+            if rows:
+                row["epoch"] = sampler.epoch
+                epoch_losses.append(loss_value)
+                epoch_end = int(sampler.epoch) > epoch_before
+            if done % tcfg.eval_every == 0 or done == tcfg.steps or epoch_end:
+                row["val_loss"] = validate()
                 row["val_ppl"] = math.exp(row["val_loss"])
-            if done % tcfg.log_every == 0 or "val_loss" in row or step == 0:
+            if epoch_end:  # perplexity per epoch: the epoch's mean train loss and the val loss at its end
+                row["epoch_train_ppl"] = math.exp(sum(epoch_losses) / len(epoch_losses))
+                row["epoch_val_ppl"] = row["val_ppl"]
+                epoch_losses = []
+            if done % tcfg.log_every == 0 or "val_loss" in row or step == 0 or epoch_end:
                 if info.is_main:
                     log(row, done)
                 history.append({"step": done, **row})
@@ -696,6 +777,7 @@ def train(
         checkpoint=last_checkpoint,
         weights=weights if info.is_main else None,
         optimizer_state=optimizer_state if info.is_main else None,
+        initial_val_loss=state["initial_val_loss"],
     )
     return result, opt
 
@@ -763,10 +845,10 @@ def run_train(
     `plan` (from `plan_checkpoints`) turns on checkpointing and resume. Only the main rank writes.
     """
     from pipeline.atomic import atomic_dir
-    from pipeline.pack import load_meta, load_split
-    from pipeline.realize import load_model
+    from pipeline.finetune import is_finetune_dir, load_any, read_spec, save_finetuned
+    from pipeline.pack import load_data, load_meta
 
-    model = load_model(init_dir)
+    model = load_any(init_dir)
     meta = load_meta(packed_dir)
     if meta.vocab_size != model.cfg.vocab_size:
         raise ConfigError(
@@ -777,7 +859,7 @@ def run_train(
                 "re-run realize after pack",
             )
         )
-    train_data, val_data = load_split(packed_dir, "train"), load_split(packed_dir, "val")
+    train_data, val_data = load_data(packed_dir, "train"), load_data(packed_dir, "val")
     try:
         result, _ = train(model, train_data, val_data, tcfg, optim, seed, log, plan=plan, run_id=run_id, flush=flush)
     finally:
@@ -796,13 +878,17 @@ def run_train(
         "skipped_steps": result.skipped_steps,
         "checkpoint": result.checkpoint,
         "world_size": dist.env_info().world_size,
+        "initial_val_loss": result.initial_val_loss,
         "history": result.history,
     }
     from safetensors.torch import save_file
 
     with atomic_dir(out_dir) as tmp:
-        save_file(result.weights, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(model.cfg.to_json() + "\n")
+        if is_finetune_dir(init_dir):
+            save_finetuned(model, read_spec(init_dir), tmp, result.weights)
+        else:
+            save_file(result.weights, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(model.cfg.to_json() + "\n")
         torch.save(result.optimizer_state, tmp / "optimizer.pt")
         (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
     return result

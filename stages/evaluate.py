@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from pipeline.atomic import atomic_dir
 from pipeline.evaluate import run_evaluate
+from pipeline.gguf_io import resolve_gguf_path
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 
@@ -27,13 +28,17 @@ def body(ctx: StageContext) -> dict[str, float]:
         trained,
         cfg.export.dtype,
         cfg.train.device,
+        base_gguf=resolve_gguf_path(cfg.donor.path) if cfg.recipe.finetune else None,
+        instruct=cfg.data.instruct_config() if cfg.data.source == "instruct" else None,
     )
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")
     print(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
+    if "base_val_loss" in metrics:
+        print(f"evaluate: held-out response NLL base {metrics['base_val_loss']:.4f} -> tuned {metrics['val_loss']:.4f}")
     for s in samples:
-        print(f"  {s['prompt']!r} -> {s['greedy']!r}")
+        print(f"  {s['prompt']!r} -> {s.get('greedy', s.get('tuned'))!r}")
     return metrics
 
 

@@ -17,8 +17,9 @@ def body(ctx: StageContext) -> dict[str, float]:
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")
+    kind = "examples" if meta.format == "instruct" else "documents"
     print(
-        f"pack: {int(metrics['documents'])} documents, {int(metrics['tokens'])} tokens "
+        f"pack: {sum(meta.documents.values())} {kind}, {int(metrics['tokens'])} tokens "
         f"(train {meta.tokens['train']}, val {meta.tokens['val']}) -> {ctx.out_dir}"
     )
     return metrics

@@ -8,6 +8,7 @@ alone tracks and writes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import hydra
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 from pipeline.atomic import write_text
 from pipeline.config import PipelineConfig
 from pipeline.distributed import is_main_process
+from pipeline.finetune import weight_files
 from pipeline.train import CheckpointPlan, plan_checkpoints, run_train
 from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, run_stage
 
@@ -28,7 +30,8 @@ def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
 
 def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     cfg = ctx.cfg
-    ctx.add_input("init", ctx.paths.init / "model.safetensors")
+    for path in weight_files(ctx.paths.init):
+        ctx.add_input(f"init_{path.stem}", path)
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if plan.resume is not None and is_main_process():
         print(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
@@ -51,7 +54,12 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         f"train: {result.steps} steps in {result.seconds:.0f}s, final val loss {result.final_val_loss:.4f} "
         f"(ppl {result.final_val_ppl:.2f}) -> {ctx.out_dir}"
     )
+    extra = {}
+    if result.initial_val_loss is not None:  # instruct rows: the held-out response loss before training
+        extra = {"initial_val_loss": result.initial_val_loss, "initial_val_ppl": math.exp(result.initial_val_loss)}
+        print(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
     return {
+        **extra,
         "final_train_loss": result.final_train_loss,
         "final_val_loss": result.final_val_loss,
         "final_val_ppl": result.final_val_ppl,
