@@ -18,7 +18,7 @@ def body(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.cfg
     train_dir = ctx.paths.train
     for path in weight_files(train_dir):
-        ctx.add_input(f"weights_{path.stem}", path)
+        ctx.add_input("weights" if path.name == "model.safetensors" else f"weights_{path.stem}", path)
     state = (
         json.loads((train_dir / "train_state.json").read_text()) if (train_dir / "train_state.json").exists() else {}
     )

@@ -31,7 +31,7 @@ def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
 def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     cfg = ctx.cfg
     for path in weight_files(ctx.paths.init):
-        ctx.add_input(f"init_{path.stem}", path)
+        ctx.add_input("init" if path.name == "model.safetensors" else f"init_{path.stem}", path)
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if plan.resume is not None and is_main_process():
         print(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")

@@ -1,6 +1,7 @@
 """The whole product on the real donor, in a scratch git repo: `dvc repro` of all six stages,
 a no-op second repro, `dvc exp run -S` changing only what depends on the lr, DVC metrics and
-plots, MLflow runs per stage, and a Hydra multirun sweep grouped under a parent run.
+plots, MLflow runs per stage, a Hydra multirun sweep grouped under a parent run, and (last: it
+changes the workspace) `dvc exp run -S preset=lora`, LoRA on the real SmolLM2 through every stage.
 
 Slow (about two minutes) and the only proof of these features, so it runs in CI.
 """
@@ -151,3 +152,28 @@ def test_hydra_multirun_sweep_logs_grouped_runs(project: Path, first_repro: str)
     assert len(children) == 2 and len(parents) == 1
     assert {r.data.params["optim.lr"] for r in children} == {"0.001", "0.0003"}
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+
+
+def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_repro: str) -> None:
+    overrides = ["preset=lora", "train.steps=2", "train.batch_size=2", "train.eval_every=2", "train.device=cpu"]
+    overrides += ["train.checkpoint_every=0", "evaluate.max_new_tokens=4", "evaluate.prompts=[a]"]
+    out = sh(project, "dvc", "exp", "run", *(x for o in overrides for x in ("-S", o)), timeout=1200)
+    assert ran(out) == ["pack", "donor", "realize", "train", "export", "evaluate"]
+    params = (project / "params.yaml").read_text()
+    assert "trainable: lora" in params and "source: instruct" in params
+    pack = json.loads((project / "metrics" / "pack.json").read_text())
+    assert pack["examples_val"] > 0 and pack["chat_template"] == 1.0 and "truncated_train" in pack
+    train = json.loads((project / "metrics" / "train.json").read_text())
+    evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert abs(evaluate["val_loss"] - train["final_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
+    assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
+    export = project / "models" / "export"
+    assert {p.name for p in export.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
+    from pipeline.adapters import read_adapter_gguf
+
+    adapter = read_adapter_gguf(export / "adapter.gguf")
+    assert adapter.rank == 8 and adapter.targets == ("q", "v") and len(adapter.state) == 2 * 2 * 30
+    _, runs = mlflow_runs(project)
+    latest = max((r for r in runs if r.data.tags["stage"] == "train"), key=lambda r: r.info.start_time)
+    assert latest.data.tags["recipe"] == "lora" and latest.data.params["recipe.lora.rank"] == "8"
+    assert "initial_val_loss" in latest.data.metrics and "epoch" in latest.data.metrics
