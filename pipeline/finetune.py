@@ -98,7 +98,7 @@ def load_finetuned(model_dir: Path) -> nn.Module:
         load_lora_state_dict(model, load_file(str(path)), where=str(path))
     elif (model_dir / MODEL_FILE).is_file():
         model.load_state_dict(load_file(str(model_dir / MODEL_FILE)), strict=True)
-    return model
+    return model.eval()  # adapter dropout off until a training loop asks for train mode
 
 
 def load_any(model_dir: Path) -> nn.Module:

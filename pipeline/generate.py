@@ -243,10 +243,11 @@ def complete(
 
 def load_for_generation(model_path: str, tokenizer_gguf: str = "smollm2") -> tuple[nn.Module, GGUFTokenizer, dict]:
     """(model, tokenizer, tokenizer GGUF metadata) from a GGUF, or from a checkpoint directory
-    (`realize.save_model`) whose tokenizer is `tokenizer_gguf`. `smollm2` names the donor GGUF."""
+    (`realize.save_model`) whose tokenizer is `tokenizer_gguf`, or a fine-tune's directory (base +
+    adapters, with the base's tokenizer). `smollm2` names the donor GGUF."""
     from pipeline.architectures import load_gguf
+    from pipeline.finetune import is_finetune_dir, load_any, read_spec
     from pipeline.gguf_io import GGUFFile, resolve_gguf_path
-    from pipeline.realize import load_model
     from pipeline.tokenizer import tokenizer_from_gguf
 
     path = resolve_gguf_path(model_path)
@@ -260,9 +261,9 @@ def load_for_generation(model_path: str, tokenizer_gguf: str = "smollm2") -> tup
             )
         )
     try:
-        if path.is_dir():
-            model = load_model(path)
-            g = GGUFFile(resolve_gguf_path(tokenizer_gguf))
+        if path.is_dir():  # a fine-tune (base + adapters) brings its base's tokenizer
+            model = load_any(path)
+            g = GGUFFile(read_spec(path).base if is_finetune_dir(path) else resolve_gguf_path(tokenizer_gguf))
         else:
             model, g = load_gguf(path)
     except OSError as e:

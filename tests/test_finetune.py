@@ -296,6 +296,16 @@ def test_full_finetune_trains_every_weight(tmp_path: Path, base: Base, packed: P
     assert all(torch.equal(t, again.state_dict()[n]) for n, t in trained.state_dict().items())
 
 
+def test_lora_on_running_text(tmp_path: Path, base: Base) -> None:
+    """recipe=lora with text data: continued pre-training through adapters, windows of train.seq_len."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n---\n".join(f"Document {i}: the for statement iterates over items." for i in range(40)))
+    run_pack(DataConfig(source="text", path=str(corpus)), base.f32, tmp_path / "packed")
+    run = run_recipe(tmp_path, base.f32, tmp_path / "packed", "lora", steps=2, seq_len=16, checkpoint_every=0)
+    assert run.result.initial_val_loss is None and math.isfinite(run.result.final_val_loss)
+    assert (tmp_path / "train" / "adapter.safetensors").exists()
+
+
 # ----- bad input -----
 
 
