@@ -390,16 +390,18 @@ TENSOR_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16
 
 
-def encode_tensor(arr: np.ndarray, dtype: str):
+def encode_tensor(arr: np.ndarray, dtype: str, ggml_type: str | None = None):
     """`arr` as stored for an export of `dtype`: (data for GGUFWriter.add_tensor, its ggml type).
 
     As llama.cpp's convert_hf_to_gguf does: 1-D tensors (norm weights, rope factors) stay F32,
     and a matrix whose rows do not split into whole quant blocks (q8_0: 32) falls back to F16.
+    `ggml_type` (a gguf-py type name such as Q4_0, Q4_1, Q5_0) overrides `dtype` for matrices.
     """
     from gguf import GGMLQuantizationType, quants
 
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    qtype = GGMLQuantizationType[TENSOR_TYPES[dtype]] if arr.ndim >= 2 else GGMLQuantizationType.F32
+    name = ggml_type or TENSOR_TYPES[dtype]
+    qtype = GGMLQuantizationType[name] if arr.ndim >= 2 else GGMLQuantizationType.F32
     try:
         return quants.quantize(arr, qtype), qtype
     except quants.QuantError:
@@ -412,17 +414,21 @@ def write_gguf(
     metadata: dict[str, Any],
     tensors: dict[str, np.ndarray],
     dtype: str = "f32",
+    ggml_type: str | None = None,
 ) -> Path:
     """Write a GGUF atomically (temp file + rename): nothing half-written is ever left at `path`.
 
     `metadata` values are plain Python values (typed by gguf-py's rules: int -> uint32 unless it
     does not fit, float -> float32, ...) or `TypedValue` to keep a donor's exact types.
-    Tensors are numpy-order float arrays, stored as `dtype` (see `encode_tensor`).
+    Tensors are numpy-order float arrays, stored as `dtype`, or, for matrices, as any type gguf-py
+    can quantize to (`ggml_type`, e.g. Q4_1 for quantized test bases; see `encode_tensor`).
     """
-    from gguf import GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     if dtype not in TENSOR_TYPES:
         raise GGUFError(problem("export dtype", f"one of {', '.join(TENSOR_TYPES)}", repr(dtype), "pick one of them"))
+    if ggml_type is not None and ggml_type not in GGMLQuantizationType.__members__:
+        raise GGUFError(problem("ggml_type", "a gguf-py quantization type name", repr(ggml_type), "use e.g. Q4_0"))
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -436,7 +442,7 @@ def write_gguf(
             else:
                 writer.add_key_value(key, value, _value_type(value), _array_type(value))
         for name, arr in tensors.items():
-            data, qtype = encode_tensor(arr, dtype)
+            data, qtype = encode_tensor(arr, dtype, ggml_type)
             writer.add_tensor(name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -235,33 +235,6 @@ def write_quantized_gguf(
 
     For making quantized bases (tests, benchmarks) from any model we can export.
     """
-    import gguf
+    from pipeline.gguf_io import write_gguf
 
-    from pipeline.gguf_io import TypedValue, _array_type, _value_type
-
-    qt = gguf.GGMLQuantizationType[qtype]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
-        for key, value in metadata.items():
-            if isinstance(value, TypedValue):
-                sub = None if value.sub_type is None else gguf.GGUFValueType(value.sub_type)
-                writer.add_key_value(key, value.value, gguf.GGUFValueType(value.vtype), sub)
-            else:
-                writer.add_key_value(key, value, _value_type(value), _array_type(value))
-        for name, arr in tensors.items():
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            if arr.ndim == 2:
-                writer.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
-            else:
-                writer.add_tensor(name, arr)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_gguf(path, arch, metadata, tensors, ggml_type=qtype)
