@@ -131,8 +131,13 @@ def run_donor(
 
     donor = read_donor_embeddings(donor_path)
     check_vocab(donor, packed_vocab, packed_meta)
-    if init == "base":  # fine-tuning the donor itself: nothing to project
-        result = PCAResult(*(np.zeros((0,) * n, dtype=np.float32) for n in (2, 1, 2, 1)))
+    if init == "base":  # fine-tuning the donor itself: nothing to project, zero components
+        result = PCAResult(
+            components=np.zeros((0, donor.width), dtype=np.float32),
+            mean=np.zeros(donor.width, dtype=np.float32),
+            projected=np.zeros((donor.table.shape[0], 0), dtype=np.float32),
+            explained_variance_ratio=np.zeros(0, dtype=np.float32),
+        )
     else:
         check_width(donor, d_model, init)
         result = pca(donor.table, d_model)

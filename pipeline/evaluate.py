@@ -17,9 +17,9 @@ from pipeline.config import EvaluateConfig
 from pipeline.errors import PipelineError
 from pipeline.generate import default_stop_ids, generate_ids
 from pipeline.instruct import response_nll
-from pipeline.pack import load_data, load_meta, load_split
+from pipeline.pack import load_data
 from pipeline.tokenizer import tokenizer_from_gguf
-from pipeline.train import evaluate_loss, pick_device
+from pipeline.train import is_rows, pick_device, validation_loss
 
 # f32 export: the re-read model must reproduce the train stage's val loss this closely
 F32_TOLERANCE = 1e-3
@@ -46,10 +46,8 @@ def run_evaluate(
     tok = tokenizer_from_gguf(g)
     dev = pick_device(device)
     model.to(dev)
-    if load_meta(packed_dir).format == "instruct":
-        val_loss = response_nll(model, load_data(packed_dir, "val"), batch_size, dev)
-    else:
-        val_loss = evaluate_loss(model, load_split(packed_dir, "val"), seq_len, batch_size, dev)
+    val = load_data(packed_dir, "val")
+    val_loss = validation_loss(model, val, seq_len, batch_size, dev)
     metrics = {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
     if trained_val_loss is not None:
         diff = abs(val_loss - trained_val_loss)
@@ -60,8 +58,8 @@ def run_evaluate(
                 f"{gguf_path}: expected val loss {trained_val_loss:.6f} (train stage) within {F32_TOLERANCE}, "
                 f"found {val_loss:.6f}; fix: the export does not reproduce the trained model, re-run export"
             )
-    if load_meta(packed_dir).format == "instruct":
-        return _evaluate_instruct(model, g, tok, packed_dir, batch_size, ecfg, dev, metrics, base_gguf, instruct)
+    if is_rows(val):
+        return _evaluate_instruct(model, g, tok, packed_dir, val, batch_size, ecfg, dev, metrics, base_gguf, instruct)
     stops = tuple(i for i in (tok.eos_id,) if i is not None)
     samples = []
     for prompt in ecfg.prompts:
@@ -79,6 +77,7 @@ def _evaluate_instruct(
     g: Any,
     tok: Any,
     packed_dir: Path,
+    val: Any,
     batch_size: int,
     ecfg: EvaluateConfig,
     dev: torch.device,
@@ -93,7 +92,7 @@ def _evaluate_instruct(
     if base_gguf is not None:
         base, _ = load_gguf(base_gguf)
         base.to(dev)
-        base_loss = response_nll(base, load_data(packed_dir, "val"), batch_size, dev)
+        base_loss = response_nll(base, val, batch_size, dev)
         metrics.update(
             base_val_loss=base_loss,
             base_val_ppl=math.exp(base_loss),

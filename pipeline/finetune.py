@@ -67,6 +67,14 @@ def read_spec(model_dir: Path) -> FinetuneSpec:
 
 def build_model(spec: FinetuneSpec) -> nn.Module:
     """The base GGUF as the spec's mode loads it (frozen or not), with fresh adapters attached."""
+    model, _ = load_base(Path(spec.base), MODES[spec.mode])
+    if spec.mode in ("lora", "qlora"):
+        attach_lora(model, spec.lora_config())
+    return model
+
+
+def check_base(spec: FinetuneSpec) -> None:
+    """The base GGUF is still the file realize read (its fingerprint), else a named error."""
     base = Path(spec.base)
     if not base.is_file():
         raise ConfigError(problem(f"base GGUF {base}", "the file realize read", "no such file", "re-run: dvc repro"))
@@ -80,16 +88,13 @@ def build_model(spec: FinetuneSpec) -> nn.Module:
                 "re-run realize: dvc repro",
             )
         )
-    model, _ = load_base(base, MODES[spec.mode])
-    if spec.mode in ("lora", "qlora"):
-        attach_lora(model, spec.lora_config())
-    return model
 
 
 def load_finetuned(model_dir: Path) -> nn.Module:
     """A fine-tuning model directory as a module: base + its saved adapters, or its full weights."""
     model_dir = Path(model_dir)
     spec = read_spec(model_dir)
+    check_base(spec)
     model = build_model(spec)
     if spec.mode in ("lora", "qlora"):
         path = model_dir / ADAPTER_FILE

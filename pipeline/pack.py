@@ -128,9 +128,8 @@ def load_meta(packed_dir: Path) -> PackMeta:
 
 def data_files(packed_dir: Path) -> list[Path]:
     """The files that identify the packed data (for checkpoint compatibility)."""
-    names = ("meta.json", "train.npz", "val.npz") if load_meta(packed_dir).format == "instruct" else None
-    names = names or ("meta.json", "train.bin", "val.bin")
-    return [Path(packed_dir) / n for n in names]
+    ext = "npz" if load_meta(packed_dir).format == "instruct" else "bin"
+    return [Path(packed_dir) / n for n in ("meta.json", f"train.{ext}", f"val.{ext}")]
 
 
 def load_data(packed_dir: Path, split: str):  # -> np.memmap | pipeline.instruct.Packed

@@ -197,14 +197,14 @@ def make_sampler(data: Any, tcfg: TrainConfig, seed: int) -> Any:
     return BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
 
 
-def validation_loss(model: nn.Module, data: Any, tcfg: TrainConfig, device: torch.device) -> float:
-    """The deterministic fp32 val loss: every window of a token stream, or every labelled (response)
-    position of packed rows."""
+def validation_loss(model: nn.Module, data: Any, seq_len: int, batch_size: int, device: torch.device) -> float:
+    """The deterministic fp32 val loss: every window of `seq_len` of a token stream, or every labelled
+    (response) position of packed rows. The train and evaluate stages both report this number."""
     if is_rows(data):
         from pipeline.instruct import response_nll
 
-        return response_nll(model, data, tcfg.batch_size, device)
-    return evaluate_loss(model, data, tcfg.seq_len, tcfg.batch_size, device)
+        return response_nll(model, data, batch_size, device)
+    return evaluate_loss(model, data, seq_len, batch_size, device)
 
 
 @torch.no_grad()
@@ -294,14 +294,9 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if targets is None:
-            return self.model(idx)
-        if segment_ids is None:
-            return self.model.loss(idx, targets)
-        return self.model.loss(idx, targets, segment_ids)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *extra: torch.Tensor) -> torch.Tensor:
+        """`extra`: what else the batch holds for the loss (instruct rows: segment ids)."""
+        return self.model(idx) if targets is None else self.model.loss(idx, targets, *extra)
 
 
 @dataclass
@@ -461,7 +456,7 @@ class _Session:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.eval_module = self.module if self.fsdp else model
         # a frozen base (LoRA) is re-read from its file: snapshots hold only what trains
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        trainable = trainable_names(model)
         self.keep = None if len(trainable) == len(self.names) else trainable
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -586,18 +581,14 @@ def _load_checkpoint(found: ckpt.Checkpoint, model: nn.Module) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(found.path / "model.safetensors"))
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    trainable = trainable_names(model)
     partial = set(state) == trainable and len(trainable) < len(model.state_dict())  # adapters only
-    missing, unexpected = model.load_state_dict(state, strict=not partial)
-    if unexpected:
-        raise ConfigError(
-            problem(
-                f"{found.path}/model.safetensors",
-                "this model's tensors",
-                f"unexpected {unexpected[:3]}",
-                "resume=never",
-            )
-        )
+    model.load_state_dict(state, strict=not partial)
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that train (all of them, or a LoRA run's adapters)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _restore(found: ckpt.Checkpoint, session: _Session, sampler: Any, keys: list[str]) -> dict[str, Any]:
@@ -683,7 +674,7 @@ def train(
     loss_value = history[-1]["train_loss"] if history else float("nan")
 
     def validate() -> float:
-        return validation_loss(session.eval_module, val_data, tcfg, device)
+        return validation_loss(session.eval_module, val_data, tcfg.seq_len, tcfg.batch_size, device)
 
     if rows and state["initial_val_loss"] is None:  # the base model's held-out loss, before any step
         state["initial_val_loss"] = validate()

@@ -7,10 +7,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from pipeline.gguf_io import GGUFFile, resolve_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -32,13 +32,7 @@ ALL = ("q", "k", "v", "o", "gate", "up", "down")
 RANK, ALPHA = 4, 8.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass

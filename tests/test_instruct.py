@@ -34,14 +34,7 @@ from pipeline.instruct import (
 from pipeline.model import Llama, TransformerConfig, apply_rope, init_weights, rope_tables
 from pipeline.tokenizer import tokenizer_from_gguf
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,7 @@ CFG = TransformerConfig(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_hea
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int = 0) -> Llama:
