@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pipeline.architectures import load_gguf
-from pipeline.generate import Sampling, stream_ids
-from pipeline.gguf_io import resolve_gguf_path
-from pipeline.tokenizer import tokenizer_from_gguf
+from pipeline.gguf.reader import resolve_gguf_path
+from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.models.registry import load_gguf
+from pipeline.models.sampling import Sampling, stream_ids
 
 PROMPT = "The history of the Python programming language begins"
 

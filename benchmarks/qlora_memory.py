@@ -41,9 +41,12 @@ def child(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from pipeline.gguf_io import resolve_gguf_path
-    from pipeline.instruct import RowSampler, load_packed
-    from pipeline.lora import LoRAConfig, attach_lora, load_base, lora_parameters, trainable_summary
+    from pipeline.config import LoraConfig
+    from pipeline.data.packed import load_rows
+    from pipeline.finetune.base import load_base
+    from pipeline.finetune.lora import attach_lora, trainable_summary
+    from pipeline.gguf.reader import resolve_gguf_path
+    from pipeline.training.batches import RowSampler
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -55,9 +58,9 @@ def child(args: argparse.Namespace) -> dict:
     gc.collect()
     rss_loaded = rss_mb()
     model_mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
-    attach_lora(model, LoRAConfig(rank=args.rank, alpha=2.0 * args.rank, targets=tuple(args.targets.split(","))))
-    sampler = RowSampler(load_packed(args.data), args.batch_size, seed=0)
-    opt = torch.optim.AdamW(lora_parameters(model), lr=1e-3)
+    attach_lora(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=tuple(args.targets.split(","))))
+    sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
     losses, times = [], []
     for _ in range(args.steps):
@@ -128,17 +131,20 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     sys.path.insert(0, str(ROOT))
-    from pipeline.gguf_io import GGUFFile, resolve_gguf_path
-    from pipeline.instruct import InstructConfig, build_instruct, read_instruct_jsonl, save_packed, write_pydoc_instruct
-    from pipeline.tokenizer import tokenizer_from_gguf
+    from pipeline.config import DataConfig
+    from pipeline.data.instruct import build_instruct, read_instruct_jsonl
+    from pipeline.data.packed import save_rows
+    from pipeline.data.pydoc_qa import write_pydoc_instruct
+    from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
+    from pipeline.gguf.tokenizer import tokenizer_from_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         # rows are built once here and packed like the train stage's (segment-masked attention)
         write_pydoc_instruct(tmp)
         g = GGUFFile(resolve_gguf_path("smollm2"))
-        cfg = InstructConfig(max_seq_len=args.seq_len)
+        cfg = DataConfig(max_seq_len=args.seq_len)
         packed = build_instruct(read_instruct_jsonl(Path(tmp) / "train.jsonl"), tokenizer_from_gguf(g), g.metadata, cfg)
-        data = save_packed(packed, Path(tmp) / "train.npz")
+        data = save_rows(packed, Path(tmp) / "train.npz")
         del g
         # alternate the variants so a burst of load from other processes hits both alike
         runs = [(v, run_variant(v, args, data)) for _ in range(args.repeats) for v in ("lora", "qlora")]

@@ -40,8 +40,10 @@ from pathlib import Path
 import torch
 
 from pipeline.config import OptimConfig
-from pipeline.model import Llama, TransformerConfig, init_weights
-from pipeline.train import compile_blocks, keep_freed_memory, make_optimizer
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.training.optim import make_optimizer
+from pipeline.training.runtime import compile_blocks, keep_freed_memory
 
 D_MODEL, N_LAYER, N_HEAD, D_FF = 256, 4, 4, 688
 

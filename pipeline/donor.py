@@ -1,7 +1,9 @@
-"""Read a donor GGUF's embedding table and compute the PCA lens onto the new model's width."""
+"""The donor stage: read a donor GGUF's embedding table and compute the PCA lens onto the new
+model's width (`data/donor/pca.safetensors` + `meta.json`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,9 +12,11 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import GGUFFile
+from pipeline.files import atomic_dir
+from pipeline.gguf.reader import GGUFFile
+from pipeline.models.names import TOKEN_EMBD as EMBEDDING_TENSOR
 
-EMBEDDING_TENSOR = "token_embd.weight"
+PCA_FILE = "pca.safetensors"
 
 
 @dataclass
@@ -125,10 +129,6 @@ def run_donor(
 
     With `init=base` (fine-tuning the donor itself) there is no PCA: only the checks and meta.json.
     """
-    import json
-
-    from pipeline.atomic import atomic_dir
-
     donor = read_donor_embeddings(donor_path)
     check_vocab(donor, packed_vocab, packed_meta)
     if init == "base":  # fine-tuning the donor itself: nothing to project, zero components
@@ -143,7 +143,7 @@ def run_donor(
         result = pca(donor.table, d_model)
     with atomic_dir(out_dir) as tmp:
         if init != "base":
-            result.save(tmp / "pca.safetensors")
+            result.save(tmp / PCA_FILE)
         info = {
             "path": str(donor.path),
             "architecture": donor.architecture,

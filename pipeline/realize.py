@@ -1,9 +1,12 @@
-"""Realize the initial model: random init, then (optionally) the donor's knowledge in the embeddings.
+"""The realize stage: the initial model directory (models/init).
 
-`scratch`: random init only. `pca`: embedding rows are the PCA-projected donor rows, rescaled to
-the init std. `lens`: the embedding table stays donor-width (centered donor rows) and a trainable
-donor_d x d_model projection starts at the PCA components, so at step 0 `pca` and `lens` compute
-the same function.
+From scratch or warm-started: random init, then (optionally) the donor's knowledge in the
+embeddings. `scratch`: random init only. `pca`: embedding rows are the PCA-projected donor rows,
+rescaled to the init std. `lens`: the embedding table stays donor-width (centered donor rows) and a
+trainable donor_d x d_model projection starts at the PCA components, so at step 0 `pca` and `lens`
+compute the same function.
+
+A fine-tune (`recipe.init=base`): the base GGUF at donor.path, checked, with seeded adapters.
 """
 
 from __future__ import annotations
@@ -12,31 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pipeline.architectures import build_model, init_model
-from pipeline.config import ModelConfig
-from pipeline.donor import PCAResult
+from pipeline.config import ModelConfig, RecipeConfig
+from pipeline.data.packed import load_meta
+from pipeline.donor import PCA_FILE, PCAResult, read_donor_embeddings
 from pipeline.errors import ConfigError, problem
-from pipeline.model import TransformerConfig
-
-
-def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
-    return TransformerConfig(
-        vocab_size=vocab_size,
-        d_model=mcfg.d_model,
-        n_layer=mcfg.n_layer,
-        n_head=mcfg.n_head,
-        n_kv_head=mcfg.n_kv_head,
-        d_ff=mcfg.d_ff,
-        context_length=mcfg.context_length,
-        rope_theta=mcfg.rope_theta,
-        norm_eps=mcfg.norm_eps,
-        tie_embeddings=mcfg.tie_embeddings,
-        donor_dim=donor_dim,
-        arch=mcfg.arch,
-    )
+from pipeline.files import atomic_dir
+from pipeline.finetune.base import build_finetune
+from pipeline.finetune.lora import trainable_summary
+from pipeline.modeldir import FinetuneSpec, save_model_dir
+from pipeline.models.base import TransformerConfig, count_parameters, init_weights
+from pipeline.models.registry import build_model
 
 
 def realize(
@@ -57,9 +47,8 @@ def realize(
     if init == "lens" and donor_table is None:
         raise ConfigError(problem("recipe.init=lens", "the donor embedding table", "none", "pass the donor table"))
     donor_dim = lens.components.shape[1] if init == "lens" else 0
-    cfg = llama_config(mcfg, vocab_size, donor_dim)
-    model = build_model(cfg)
-    init_model(model, mcfg.init_std, seed)
+    model = build_model(TransformerConfig.from_hparams(mcfg, vocab_size, donor_dim))
+    init_weights(model, mcfg.init_std, seed)
     if init == "pca":
         _init_pca(model, lens, mcfg.init_std)
     elif init == "lens":
@@ -112,45 +101,41 @@ def _check_rows(model: nn.Module, rows: int) -> None:
         )
 
 
-def save_model(model: nn.Module, out_dir: Path) -> None:
-    """Weights (safetensors) + config (JSON): everything needed to rebuild the module."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(model.cfg.to_json() + "\n")
-
-
-def load_model(model_dir: Path) -> nn.Module:
-    """The inverse of `save_model`."""
-    model_dir = Path(model_dir)
-    for name in ("config.json", "model.safetensors"):
-        if not (model_dir / name).is_file():
-            raise ConfigError(
-                problem(str(model_dir / name), "a saved model file", "no such file", "run the stage that writes it")
-            )
-    model = build_model(TransformerConfig.load(model_dir / "config.json"))
-    model.load_state_dict(load_file(str(model_dir / "model.safetensors")), strict=True)
-    return model
-
-
 def run_realize(
-    mcfg: ModelConfig, init: str, seed: int, packed_dir: Path, donor_dir: Path, out_dir: Path
+    recipe: RecipeConfig, mcfg: ModelConfig, seed: int, donor: Path, packed_dir: Path, donor_dir: Path, out_dir: Path
 ) -> dict[str, float]:
-    """The realize stage: vocab from the packed data, donor PCA (and table for lens), save."""
-    import json
-
-    from pipeline.atomic import atomic_dir
-    from pipeline.donor import read_donor_embeddings
-    from pipeline.model import count_parameters
-    from pipeline.pack import load_meta
-
+    """The realize stage: vocab from the packed data; a fine-tune's base, or a new model initialised
+    from the donor stage's PCA (and, for lens, the donor table); written to `out_dir` atomically."""
     vocab = load_meta(packed_dir).vocab_size
-    lens = PCAResult.load(donor_dir / "pca.safetensors") if init != "scratch" else None
-    table = None
-    if init == "lens":
-        donor_meta = json.loads((donor_dir / "meta.json").read_text())
-        table = read_donor_embeddings(Path(donor_meta["path"])).table
-    model = realize(mcfg, init, vocab, seed, lens, table)
+    if recipe.finetune:
+        return realize_finetune(recipe, donor, vocab, out_dir)
+    lens = PCAResult.load(donor_dir / PCA_FILE) if recipe.init != "scratch" else None
+    table = read_donor_embeddings(donor).table if recipe.init == "lens" else None
+    model = realize(mcfg, recipe.init, vocab, seed, lens, table)
     with atomic_dir(out_dir) as tmp:
-        save_model(model, tmp)
-        (tmp / "realize.json").write_text(json.dumps({"init": init, "seed": seed}, indent=2) + "\n")
+        save_model_dir(tmp, model, realize={"init": recipe.init, "seed": seed})
     return {"parameters": float(count_parameters(model)), "vocab_size": float(vocab)}
+
+
+def realize_finetune(recipe: RecipeConfig, base: Path, packed_vocab: int, out_dir: Path) -> dict[str, float]:
+    """A fine-tune's realize: load and check the base, attach seeded adapters, write the spec (and
+    the initial adapters) atomically. Returns the stage metrics."""
+    spec = FinetuneSpec.of(recipe.mode, base, recipe.lora)
+    model = build_finetune(spec.base, spec.mode, spec.lora_config())
+    if model.cfg.vocab_size != packed_vocab:
+        raise ConfigError(
+            problem(
+                f"base GGUF {spec.base}",
+                f"{packed_vocab} tokens (the packed data's vocab)",
+                str(model.cfg.vocab_size),
+                "pack the data with the base's tokenizer: donor.path is both",
+            )
+        )
+    with atomic_dir(out_dir) as tmp:
+        save_model_dir(tmp, model, spec=spec, realize={"init": "base", "mode": spec.mode, "base": spec.base})
+    counts = trainable_summary(model)
+    return {
+        "parameters": float(counts["total_params"]),
+        "trainable_parameters": float(counts["trainable_params"]),
+        "vocab_size": float(model.cfg.vocab_size),
+    }

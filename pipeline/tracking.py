@@ -7,9 +7,16 @@ callable. Metrics are buffered and sent in batches so per-step logging stays che
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pipeline.files import flatten
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 
@@ -17,18 +24,6 @@ TRACKING_ENV = "MLFLOW_TRACKING_URI"
 def default_tracking_uri(root: Path) -> str:
     """`MLFLOW_TRACKING_URI` if set, else a SQLite store at `<root>/mlflow.db` by absolute path."""
     return os.environ.get(TRACKING_ENV) or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}, for MLflow params."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 @dataclass
@@ -53,8 +48,6 @@ class Run:
         return self.info.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):
             self._client.log_batch(self.run_id, params=items[i : i + 100])
@@ -65,10 +58,6 @@ class Run:
                 self._client.set_tag(self.run_id, k, str(v))
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
         ts = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
         if len(self._buffer) >= self.FLUSH_AT:
@@ -91,8 +80,6 @@ class Tracker:
     """Creates runs in one experiment of one store."""
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None):
-        from mlflow.tracking import MlflowClient
-
         self.tracking_uri = tracking_uri
         self._client = MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
@@ -111,8 +98,6 @@ class Tracker:
 
     def exists(self, run_id: str) -> bool:
         """Whether `run_id` is a run of this store (a checkpoint may come from another store)."""
-        from mlflow.exceptions import MlflowException
-
         try:
             self._client.get_run(run_id)
         except MlflowException:
@@ -136,6 +121,3 @@ class Tracker:
         run = self.start(name, {**tags, "sweep_id": sweep_id, "sweep_parent": "true"})
         run.end()
         return run.run_id
-
-    def finish_parent(self, run_id: str) -> None:
-        self._client.set_terminated(run_id, "FINISHED")

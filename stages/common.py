@@ -15,15 +15,19 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline.atomic import write_json, write_text
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.files import fingerprint, write_json, write_text
+from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, Tracker, default_tracking_uri
 
 CONFIG_PATH = "../conf"
@@ -89,9 +93,14 @@ class StageContext:
         if self.run is not None:
             self.run.log_metrics(metrics, step)
 
+    @cached_property
+    def donor(self) -> Path:
+        """The donor (or fine-tune base) GGUF, resolved once from `donor.path` (`smollm2`: the packaged one)."""
+        return resolve_gguf_path(self.cfg.donor.path)
+
     def add_input(self, name: str, path: Path) -> None:
         """Record an input's fingerprint as an MLflow tag `input.<name>`."""
-        self.inputs[name] = fingerprint(path)
+        self.inputs[name] = fingerprint([path])
         if self.run is not None:
             self.run.set_tags({f"input.{name}": self.inputs[name]})
 
@@ -102,19 +111,6 @@ class StageContext:
     @property
     def run_id(self) -> str | None:
         return None if self.run is None else self.run.run_id
-
-
-def fingerprint(path: Path) -> str:
-    """sha256 (first 16 hex) of a file, or of a directory's file names and contents."""
-    path = Path(path)
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for p in files:
-        h.update(str(p.relative_to(path) if path.is_dir() else p.name).encode())
-        with p.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -162,9 +158,6 @@ def git_commit(root: Path) -> str | None:
 
 def _hydra_job() -> tuple[bool, Path | None, str | None]:
     """(is multirun, this job's output dir, sweep dir) from Hydra's runtime config."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized():
         return False, None, None
     hc = HydraConfig.get()

@@ -5,19 +5,22 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.atomic import write_text
+from pipeline.data.packed import load_meta
 from pipeline.donor import run_donor
-from pipeline.gguf_io import resolve_gguf_path
-from pipeline.pack import load_meta
+from pipeline.files import write_text
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 
 def body(ctx: StageContext) -> dict[str, float]:
-    donor = resolve_gguf_path(ctx.cfg.donor.path)
     meta = load_meta(ctx.paths.packed)
-    ctx.add_input("donor", donor)
+    ctx.add_input("donor", ctx.donor)
     result, metrics = run_donor(
-        donor, meta.vocab_size, ctx.paths.packed / "meta.json", ctx.cfg.model.d_model, ctx.cfg.recipe.init, ctx.out_dir
+        ctx.donor,
+        meta.vocab_size,
+        ctx.paths.packed / "meta.json",
+        ctx.cfg.model.d_model,
+        ctx.cfg.recipe.init,
+        ctx.out_dir,
     )
     ratios = result.explained_variance_ratio
     rows = ["component\texplained_variance_ratio\tcumulative"]

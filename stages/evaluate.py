@@ -7,30 +7,15 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.atomic import atomic_dir
 from pipeline.evaluate import run_evaluate
-from pipeline.gguf_io import resolve_gguf_path
+from pipeline.files import atomic_dir
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 
 def body(ctx: StageContext) -> dict[str, float]:
-    cfg = ctx.cfg
     gguf_path = ctx.paths.export / "model.gguf"
     ctx.add_input("gguf", gguf_path)
-    state_path = ctx.paths.train / "train_state.json"
-    trained = json.loads(state_path.read_text())["final_val_loss"] if state_path.exists() else None
-    metrics, samples = run_evaluate(
-        gguf_path,
-        ctx.paths.packed,
-        cfg.train.seq_len,
-        cfg.train.batch_size,
-        cfg.evaluate,
-        trained,
-        cfg.export.dtype,
-        cfg.train.device,
-        base_gguf=resolve_gguf_path(cfg.donor.path) if cfg.recipe.finetune else None,
-        instruct=cfg.data.instruct_config() if cfg.data.source == "instruct" else None,
-    )
+    metrics, samples = run_evaluate(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg, ctx.donor)
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")

@@ -10,18 +10,17 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.atomic import write_json
 from pipeline.config import GenerateConfig
 from pipeline.errors import PipelineError
+from pipeline.files import write_json
 from pipeline.generate import run_generate
 from stages.common import CONFIG_PATH, fail, structured_config
 
 
 def _run_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
     return Path(HydraConfig.get().runtime.output_dir)
 
 

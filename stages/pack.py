@@ -5,15 +5,13 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.gguf_io import resolve_gguf_path
 from pipeline.pack import run_pack
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 
 def body(ctx: StageContext) -> dict[str, float]:
-    donor = resolve_gguf_path(ctx.cfg.donor.path)
-    ctx.add_input("donor", donor)
-    meta, metrics = run_pack(ctx.cfg.data, donor, ctx.out_dir)
+    ctx.add_input("donor", ctx.donor)
+    meta, metrics = run_pack(ctx.cfg.data, ctx.donor, ctx.out_dir)
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")

@@ -14,11 +14,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.atomic import write_text
 from pipeline.config import PipelineConfig
-from pipeline.distributed import is_main_process
-from pipeline.finetune import weight_files
-from pipeline.train import CheckpointPlan, plan_checkpoints, run_train
+from pipeline.files import write_text
+from pipeline.modeldir import weight_files
+from pipeline.train import run_train
+from pipeline.training.distributed import is_main_process
+from pipeline.training.loop import Hooks, TrainResult
+from pipeline.training.resume import CheckpointPlan, plan_checkpoints
 from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, run_stage
 
 
@@ -35,29 +37,36 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if plan.resume is not None and is_main_process():
         print(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
-    flush = ctx.run.flush if ctx.run is not None else None
-    result = run_train(
-        cfg.train, cfg.optim, cfg.seed, ctx.paths.init, ctx.paths.packed, ctx.out_dir, ctx.log, ctx.run_id, plan, flush
-    )
+    hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
+    if ctx.run is not None:
+        hooks.flush = ctx.run.flush
+    result = run_train(ctx.paths.init, ctx.paths.packed, ctx.out_dir, cfg.train, cfg.optim, cfg.seed, hooks, plan)
     if not is_main_process():
         return {}
-    train_rows = ["step\ttrain_loss"] + [f"{int(h['step'])}\t{h['train_loss']:.6f}" for h in result.history]
-    val_rows = ["step\tval_loss"] + [
-        f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h
-    ]
-    write_text(ctx.plots_dir / "train_loss.tsv", "\n".join(train_rows) + "\n")
-    write_text(ctx.plots_dir / "val_loss.tsv", "\n".join(val_rows) + "\n")
-    ctx.artifact(ctx.plots_dir / "train_loss.tsv")
-    ctx.artifact(ctx.plots_dir / "val_loss.tsv")
-    tps = [h["tokens_per_second"] for h in result.history[1:]] or [0.0]
+    write_plots(ctx, result)
     print(
         f"train: {result.steps} steps in {result.seconds:.0f}s, final val loss {result.final_val_loss:.4f} "
         f"(ppl {result.final_val_ppl:.2f}) -> {ctx.out_dir}"
     )
+    return metrics(result)
+
+
+def write_plots(ctx: StageContext, result: TrainResult) -> None:
+    """The DVC plots (and MLflow artifacts): train and val loss per step."""
+    train_rows = ["step\ttrain_loss"] + [f"{int(h['step'])}\t{h['train_loss']:.6f}" for h in result.history]
+    val_rows = ["step\tval_loss"] + [
+        f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h
+    ]
+    for name, rows in (("train_loss", train_rows), ("val_loss", val_rows)):
+        ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", "\n".join(rows) + "\n"))
+
+
+def metrics(result: TrainResult) -> dict[str, float]:
     extra = {}
     if result.initial_val_loss is not None:  # instruct rows: the held-out response loss before training
         extra = {"initial_val_loss": result.initial_val_loss, "initial_val_ppl": math.exp(result.initial_val_loss)}
         print(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
+    tps = [h["tokens_per_second"] for h in result.history[1:]] or [0.0]
     return {
         **extra,
         "final_train_loss": result.final_train_loss,

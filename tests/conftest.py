@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gguf_io import GGUFFile, resolve_gguf_path
+from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

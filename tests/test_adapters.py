@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.adapters import (
+from pipeline.config import LoraConfig
+from pipeline.errors import GGUFError
+from pipeline.finetune.adapters import (
     apply_adapter,
     export_merged_gguf,
     read_adapter_gguf,
@@ -20,12 +22,13 @@ from pipeline.adapters import (
     save_adapter_gguf,
     save_peft_adapter,
 )
-from pipeline.convert import donor_tokenizer_metadata, export_llama, gguf_tensors, llama_metadata, load_llama
-from pipeline.errors import GGUFError
-from pipeline.gguf_io import GGUFFile
-from pipeline.lora import AdapterError, LoRAConfig, attach_lora, load_base, lora_layers
-from pipeline.model import Llama, TransformerConfig, init_weights
-from pipeline.quant import write_quantized_gguf
+from pipeline.finetune.base import load_base
+from pipeline.finetune.lora import AdapterError, attach_lora, lora_layers
+from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.writer import write_gguf
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -66,7 +69,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, smollm2: GGUFFile) -> Setup:
     base_path = export_llama(base, d / "base.gguf", tok_meta, {"general.name": "tiny-base"}, "f32")
     plain_path = export_llama(base, d / "plain.gguf", {}, {"general.name": "tiny-base"}, "f32")
     model, _ = load_base(plain_path, "lora")
-    attach_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA, targets=ALL))
+    attach_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, targets=ALL, dropout=0.0))
     randomize_b(model)
     model.eval()
     x = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -181,15 +184,15 @@ def test_llamacpp_base_plus_gguf_adapter_equals_merged(setup: Setup) -> None:
 
 def test_qlora_adapter_exports_match(setup: Setup) -> None:
     """A QLoRA run's adapter applies to the dequantized base exactly; its merge is dense and equal."""
-    path = write_quantized_gguf(
+    path = write_gguf(
         setup.dir / "q8.gguf",
         "llama",
         {"general.type": "model", **llama_metadata(CFG, "f32")},
         gguf_tensors(load_llama(setup.plain_path)[0]),
-        "Q8_0",
+        ggml_type="Q8_0",
     )
     q, _ = load_base(path, "qlora")
-    attach_lora(q, LoRAConfig(rank=RANK, alpha=ALPHA, targets=("q", "v")))
+    attach_lora(q, LoraConfig(rank=RANK, alpha=ALPHA, targets=("q", "v"), dropout=0.0))
     randomize_b(q, seed=5)
     adapter_path = save_adapter_gguf(q, setup.dir / "q_adapter.gguf")
     dense, _ = load_base(path, "lora")

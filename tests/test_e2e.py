@@ -123,7 +123,7 @@ def test_mlflow_has_one_run_per_stage(project: Path, first_repro: str) -> None:
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
     assert any(p.endswith("config.yaml") for p in artifacts) and "train.json" in artifacts
     # the export carries its provenance: the train stage's MLflow run id
-    from pipeline.gguf_io import GGUFFile
+    from pipeline.gguf.reader import GGUFFile
 
     g = GGUFFile(project / "models" / "export" / "model.gguf")
     assert g.metadata["pipeline.mlflow_run_id"] == train.info.run_id
@@ -169,7 +169,7 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
     export = project / "models" / "export"
     assert {p.name for p in export.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
-    from pipeline.adapters import read_adapter_gguf
+    from pipeline.finetune.adapters import read_adapter_gguf
 
     adapter = read_adapter_gguf(export / "adapter.gguf")
     assert adapter.rank == 8 and adapter.targets == ("q", "v") and len(adapter.state) == 2 * 2 * 30

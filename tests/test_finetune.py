@@ -15,29 +15,37 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.adapters import read_adapter_gguf, read_peft_adapter
-from pipeline.architectures import load_gguf
 from pipeline.config import (
     DataConfig,
     EvaluateConfig,
-    LoraSchema,
+    LoraConfig,
     OptimConfig,
     PipelineConfig,
     RecipeConfig,
     TrainConfig,
 )
-from pipeline.convert import donor_tokenizer_metadata, export_llama, gguf_tensors, llama_metadata
+from pipeline.data.packed import load_meta, load_rows
 from pipeline.errors import ConfigError, DataError, GGUFError
 from pipeline.evaluate import run_evaluate
-from pipeline.finetune import export_finetuned, load_finetuned, read_spec, realize_finetune
-from pipeline.gguf_io import GGUFFile
-from pipeline.gpt2 import GPT2
-from pipeline.instruct import IGNORE_INDEX, load_packed, masked_cross_entropy
-from pipeline.lora import lora_layers
-from pipeline.model import Llama, TransformerConfig, init_weights
-from pipeline.pack import load_meta, run_pack
-from pipeline.quant import QuantLinear, write_quantized_gguf
-from pipeline.train import plan_checkpoints, run_train
+from pipeline.export import run_export
+from pipeline.finetune.adapters import read_adapter_gguf, read_peft_adapter
+from pipeline.finetune.lora import lora_layers
+from pipeline.finetune.quant import QuantLinear
+from pipeline.generate import load_for_generation
+from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.writer import write_gguf
+from pipeline.modeldir import load_model_dir, read_spec
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.gpt2 import GPT2
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata
+from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.registry import build_model, load_gguf
+from pipeline.pack import run_pack
+from pipeline.realize import realize_finetune
+from pipeline.train import run_train
+from pipeline.training.resume import plan_checkpoints
+from tests.helpers import masked_cross_entropy
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
 
@@ -70,7 +78,7 @@ def base(tmp_path_factory: pytest.TempPathFactory, smollm2: GGUFFile) -> Base:
     tok_meta = donor_tokenizer_metadata(smollm2)  # SmolLM2's tokenizer and chat template
     f32 = export_llama(model, d / "base.gguf", tok_meta, {"general.name": "tiny-base"}, "f32")
     meta = {"general.type": "model", **llama_metadata(CFG, "f32"), **tok_meta}
-    q8 = write_quantized_gguf(d / "base-q8.gguf", "llama", meta, gguf_tensors(model), "Q8_0")
+    q8 = write_gguf(d / "base-q8.gguf", "llama", meta, gguf_tensors(model), ggml_type="Q8_0")
     jsonl = d / "train.jsonl"
     jsonl.write_text("".join(json.dumps(e) + "\n" for e in examples(24)))
     return Base(d, f32, q8, jsonl)
@@ -86,9 +94,9 @@ def tcfg(**kw) -> TrainConfig:
 
 
 RECIPES = {
-    "lora": RecipeConfig(name="lora", init="base", trainable="lora", lora=LoraSchema(rank=4, alpha=8.0, dropout=0.0)),
+    "lora": RecipeConfig(name="lora", init="base", trainable="lora", lora=LoraConfig(rank=4, alpha=8.0, dropout=0.0)),
     "qlora": RecipeConfig(
-        name="qlora", init="base", trainable="lora", quantized=True, lora=LoraSchema(rank=4, targets=["q", "k", "v"])
+        name="qlora", init="base", trainable="lora", quantized=True, lora=LoraConfig(rank=4, targets=["q", "k", "v"])
     ),
     "full": RecipeConfig(name="full-finetune", init="base", trainable="all"),
 }
@@ -110,7 +118,7 @@ def run_recipe(root: Path, base_path: Path, packed: Path, recipe: str, **train_k
     t = tcfg(**train_kw)
     optim = OPTIM["full" if recipe == "full" else "lora"]
     plan = plan_checkpoints(t, optim, 0, init, packed, root / "checkpoints")
-    result = run_train(t, optim, 0, init, packed, out, plan=plan)
+    result = run_train(init, packed, out, t, optim, 0, plan=plan)
     return Run(root, base_path, packed, result)
 
 
@@ -154,9 +162,15 @@ def test_model_loss_ignores_prompt_targets_and_equals_the_masked_cross_entropy()
         assert model.loss(x, y_resp).item() != plain.item()
 
 
-def test_packed_row_loss_equals_each_example_alone() -> None:
-    small = TransformerConfig(vocab_size=50, d_model=32, n_layer=2, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
-    model = Llama(small).double()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_row_loss_equals_each_example_alone(arch: str) -> None:
+    """Attention and positions stay inside each packed example: RoPE is relative, gpt2's learned
+    positions restart at 0 per example."""
+    small = TransformerConfig(
+        vocab_size=50, d_model=32, n_layer=2, n_head=2, n_kv_head=1 if arch == "llama" else 2, d_ff=64,
+        context_length=32, arch=arch,
+    )  # fmt: skip
+    model = build_model(small).double()
     init_weights(model, 0.1, 0)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(0, 50, (7,), generator=g), torch.randint(0, 50, (9,), generator=g)
@@ -183,7 +197,7 @@ def test_instruct_pack_writes_rows_and_counts_truncation(tmp_path: Path, base: B
     assert meta.format == "instruct" and meta.seq_len == 64 and meta.vocab_size == CFG.vocab_size
     assert metrics["examples_train"] + metrics["examples_val"] == 24 and metrics["examples_val"] == 6
     assert metrics["chat_template"] == 1.0 and metrics["truncated_train"] == 0
-    train = load_packed(tmp_path / "packed" / "train.npz")
+    train = load_rows(tmp_path / "packed" / "train.npz")
     assert train.input_ids.shape[1] == 64 and (train.labels != IGNORE_INDEX).sum() == metrics["label_tokens_train"]
     assert len((tmp_path / "packed" / "val.jsonl").read_text().splitlines()) == 6
     _, short = run_pack(data_cfg(base, max_seq_len=40, pack=False), base.f32, tmp_path / "short")
@@ -200,7 +214,7 @@ def test_malformed_instruct_line_is_named_and_nothing_is_written(tmp_path: Path,
 
 def test_lora_trains_only_adapters_and_leaves_the_base_bit_identical(lora_run: Run) -> None:
     result = lora_run.result
-    trained = load_finetuned(lora_run.dir / "train")
+    trained = load_model_dir(lora_run.dir / "train")
     base, _ = load_gguf(lora_run.base_path)
     base_state = base.state_dict()
     for name, t in trained.state_dict().items():
@@ -213,15 +227,13 @@ def test_lora_trains_only_adapters_and_leaves_the_base_bit_identical(lora_run: R
     assert set(saved) == {n for n, p in trained.named_parameters() if p.requires_grad}
     assert not (lora_run.dir / "train" / "model.safetensors").exists()  # the base is not copied
     rows = [h for h in result.history if "epoch" in h]
-    assert rows and rows[-1]["epoch"] == pytest.approx(
-        4 * 2 / len(load_packed(lora_run.packed / "train.npz").input_ids)
-    )
+    assert rows and rows[-1]["epoch"] == pytest.approx(4 * 2 / len(load_rows(lora_run.packed / "train.npz").input_ids))
     assert all(h["grad_norm"] > 0 for h in result.history)
     assert result.initial_val_loss is not None and result.final_val_loss < result.initial_val_loss
 
 
 def test_lora_step_zero_equals_the_base(lora_run: Run) -> None:
-    init = load_finetuned(lora_run.dir / "init").eval()
+    init = load_model_dir(lora_run.dir / "init").eval()
     base, _ = load_gguf(lora_run.base_path)
     x = torch.randint(0, CFG.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -235,62 +247,96 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path: Path, lora_run: Run) 
     assert step2.is_dir()
     t = tcfg(resume=str(step2))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, lora_run.dir / "init", lora_run.packed, tmp_path / "ck2")
-    run_train(t, OPTIM["lora"], 0, lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", plan=plan)
+    resumed = run_train(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan=plan)
     a = load_file(str(tmp_path / "resumed" / "adapter.safetensors"))
     b = load_file(str(lora_run.dir / "train" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # every logged number after the resume point too, per-epoch perplexity included (not the timing)
+    def logged(history: list[dict]) -> list[dict]:
+        return [{k: v for k, v in h.items() if k != "tokens_per_second"} for h in history if h["step"] > 2]
+
+    assert logged(resumed.history) == logged(lora_run.result.history)
+
+
+def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base, packed: Path) -> None:
+    """The epoch in progress at a checkpoint keeps its train losses: its perplexity after a resume
+    is the uninterrupted run's."""
+    whole = run_recipe(
+        tmp_path / "whole", base.f32, packed, "lora", steps=12, checkpoint_every=4, eval_every=12, keep_checkpoints=3
+    )
+    ends = [h for h in whole.result.history if "epoch_train_ppl" in h]
+    assert ends and 4 < ends[0]["step"] < 12  # an epoch ends after the step-4 checkpoint
+    step4 = next((tmp_path / "whole" / "checkpoints").iterdir()) / "step-00000004"
+    t = tcfg(steps=12, checkpoint_every=4, eval_every=12, resume=str(step4))
+    plan = plan_checkpoints(t, OPTIM["lora"], 0, tmp_path / "whole" / "init", packed, tmp_path / "ck")
+    resumed = run_train(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan=plan)
+    again = [h for h in resumed.history if "epoch_train_ppl" in h]
+    assert [h["epoch_train_ppl"] for h in again] == [h["epoch_train_ppl"] for h in ends]
+
 
 def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: Base) -> None:
     out = lora_run.dir / "export"
-    metrics = export_finetuned(lora_run.dir / "train", out, "f32", {"general.name": "tuned"})
+    metrics = run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {"general.name": "tuned"})
     assert {p.name for p in out.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
     assert metrics["adapter_bytes"] < metrics["file_bytes"] / 10
-    trained = load_finetuned(lora_run.dir / "train")
+    trained = load_model_dir(lora_run.dir / "train")
     adapter = read_adapter_gguf(out / "adapter.gguf")
     assert adapter.rank == 4 and adapter.alpha == 8.0 and adapter.targets == ("q", "v")
     for name, t in adapter.state.items():
         assert torch.equal(t, dict(trained.named_parameters())[name].detach())
     peft = read_peft_adapter(out / "peft", trained.cfg)
     assert all(torch.equal(t, adapter.state[n]) for n, t in peft.state.items())
-    metrics, samples = run_evaluate(
-        out / "model.gguf",
-        lora_run.packed,
-        64,
-        2,
-        EvaluateConfig(prompts=["a", "b"], max_new_tokens=3),
-        lora_run.result.final_val_loss,
-        "f32",
-        "cpu",
-        base_gguf=base.f32,
-        instruct=data_cfg(base).instruct_config(),
+    cfg = PipelineConfig(
+        data=data_cfg(base),
+        recipe=RECIPES["lora"],
+        train=TrainConfig(seq_len=64, batch_size=2, device="cpu"),
+        evaluate=EvaluateConfig(prompts=["a", "b"], max_new_tokens=3),
     )
+    metrics, samples = run_evaluate(out / "model.gguf", lora_run.packed, lora_run.dir / "train", cfg, base.f32)
     assert metrics["val_loss_abs_diff"] < 1e-3  # the merged GGUF reproduces base+adapter
     assert metrics["base_val_loss"] == pytest.approx(lora_run.result.initial_val_loss, abs=1e-5)
     assert metrics["val_loss_improvement"] == pytest.approx(metrics["base_val_loss"] - metrics["val_loss"])
     assert len(samples) == 2 and {"prompt", "reference", "tuned", "base"} <= set(samples[0])
 
 
+def test_generate_applies_an_adapter_on_its_base_as_llama_cpp_does(tmp_path: Path, lora_run: Run, base: Base) -> None:
+    """`generate lora=adapter.gguf` (or a PEFT dir) on the base computes what the merged export does."""
+    out = tmp_path / "export"
+    run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {})
+    x = torch.randint(0, CFG.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    merged, _, _ = load_for_generation(str(out / "model.gguf"))
+    plain, _, _ = load_for_generation(str(base.f32))
+    with torch.no_grad():
+        want = merged.eval()(x)
+        assert (plain.eval()(x) - want).abs().max() > 1e-5  # the adapter changes the model
+        for adapter in (out / "adapter.gguf", out / "peft"):
+            adapted, _, _ = load_for_generation(str(base.f32), lora=str(adapter))
+            torch.testing.assert_close(adapted.eval()(x), want, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="lora="):
+        load_for_generation(str(base.f32), lora=str(tmp_path / "missing.gguf"))
+
+
 def test_qlora_keeps_the_quantized_blocks_and_trains(tmp_path: Path, base: Base, packed: Path) -> None:
     run = run_recipe(tmp_path, base.q8, packed, "qlora", steps=2, checkpoint_every=0)
-    model = load_finetuned(tmp_path / "train")
+    model = load_model_dir(tmp_path / "train")
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quant) == CFG.n_layer * 7 and all(m.ggml_type == "Q8_0" for m in quant)
     assert read_spec(tmp_path / "train").mode == "qlora"
     assert set(run.result.optimizer_state["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert math.isfinite(run.result.final_val_loss)
-    export_finetuned(tmp_path / "train", tmp_path / "export", "q8_0", {"general.name": "merged"})
+    run_export(tmp_path / "train", run.base_path, tmp_path / "export", "q8_0", {"general.name": "merged"})
     assert GGUFFile(tmp_path / "export" / "model.gguf").raw_tensor("blk.0.attn_q.weight")[1] == "Q8_0"
 
 
 def test_full_finetune_trains_every_weight(tmp_path: Path, base: Base, packed: Path) -> None:
     run = run_recipe(tmp_path, base.f32, packed, "full", steps=2, checkpoint_every=0)
-    trained = load_finetuned(tmp_path / "train")
+    trained = load_model_dir(tmp_path / "train")
     before, _ = load_gguf(base.f32)
     changed = [n for n, t in before.state_dict().items() if not torch.equal(t, trained.state_dict()[n])]
     assert len(changed) == len(before.state_dict())
     assert (tmp_path / "train" / "model.safetensors").exists() and run.result.final_val_loss < 20
-    export_finetuned(tmp_path / "train", tmp_path / "export", "f32", {"general.name": "full"})
+    run_export(tmp_path / "train", run.base_path, tmp_path / "export", "f32", {"general.name": "full"})
     assert not (tmp_path / "export" / "adapter.gguf").exists()
     again, _ = load_gguf(tmp_path / "export" / "model.gguf")
     assert all(torch.equal(t, again.state_dict()[n]) for n, t in trained.state_dict().items())
@@ -315,9 +361,9 @@ def test_recipe_config_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="recipe.quantized"):
         RecipeConfig(init="base", trainable="all", quantized=True)
     with pytest.raises(ConfigError, match="recipe.lora.rank"):
-        LoraSchema(rank=0)
+        LoraConfig(rank=0)
     with pytest.raises(ConfigError, match="recipe.lora.targets"):
-        LoraSchema(targets=["q", "attn"])
+        LoraConfig(targets=["q", "attn"])
     with pytest.raises(ConfigError, match="data.max_seq_len"):
         DataConfig(source="instruct", max_seq_len=1)
     with pytest.raises(ConfigError, match="data.max_seq_len"):
@@ -326,14 +372,14 @@ def test_recipe_config_errors_name_the_key() -> None:
 
 
 def test_rank_wider_than_a_layer_is_named(tmp_path: Path, base: Base) -> None:
-    recipe = replace(RECIPES["lora"], lora=LoraSchema(rank=65))
+    recipe = replace(RECIPES["lora"], lora=LoraConfig(rank=65))
     with pytest.raises(ConfigError, match="recipe.lora.rank"):
         realize_finetune(recipe, base.f32, CFG.vocab_size, tmp_path / "init")
     assert not (tmp_path / "init").exists()
 
 
 def test_unsupported_base_architecture_is_named(tmp_path: Path, smollm2: GGUFFile) -> None:
-    from pipeline.gpt2 import export_gpt2
+    from pipeline.models.gpt2_gguf import export_gpt2
 
     small = replace(CFG, arch="gpt2", n_kv_head=4)
     path = export_gpt2(GPT2(small), tmp_path / "gpt2.gguf", donor_tokenizer_metadata(smollm2), {}, "f32")
@@ -349,7 +395,7 @@ def test_changed_base_file_is_refused(tmp_path: Path, base: Base) -> None:
         f.seek(-4, 2)
         f.write(b"\x00\x00\x00\x40")  # output_norm ends in 1.0 (0x3f800000): make it 2.0
     with pytest.raises(ConfigError, match="fingerprint"):
-        load_finetuned(tmp_path / "init")
+        load_model_dir(tmp_path / "init")
 
 
 def test_vocab_mismatch_between_data_and_base_is_named(tmp_path: Path, base: Base) -> None:
@@ -362,5 +408,5 @@ def test_instruct_rows_longer_than_the_context_are_named(tmp_path: Path, base: B
     run_pack(data_cfg(base, max_seq_len=256), base.f32, packed)  # the tiny base's context is 128
     realize_finetune(RECIPES["lora"], base.f32, CFG.vocab_size, tmp_path / "init")
     with pytest.raises(ConfigError, match="data.max_seq_len"):
-        run_train(tcfg(), OPTIM["lora"], 0, tmp_path / "init", packed, tmp_path / "train")
+        run_train(tmp_path / "init", packed, tmp_path / "train", tcfg(), OPTIM["lora"], 0)
     assert np.load(packed / "train.npz")["input_ids"].shape[1] == 256

@@ -15,29 +15,25 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from pipeline.chat import ChatTemplateError, render_chat
 from pipeline.config import GenerateConfig
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.generate import (
+from pipeline.generate import chat_prompt, encode_prompt, load_for_generation, run_generate, unescape
+from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_chat
+from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.models.base import KVCache, TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.sampling import (
     Sampling,
-    chat_prompt,
     complete,
-    default_stop_ids,
-    encode_prompt,
     find_stop,
     generate_ids,
-    load_for_generation,
     penalize_repetition,
     pick_next,
-    run_generate,
     top_k_filter,
     top_p_filter,
-    unescape,
 )
-from pipeline.gguf_io import GGUFFile
-from pipeline.model import KVCache, Llama, TransformerConfig, init_weights
-from pipeline.realize import load_model, save_model
-from pipeline.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from stages.common import structured_config
 
 ROOT = Path(__file__).resolve().parent.parent  # not `from tests.conftest`: works under plain `pytest` too
@@ -327,10 +323,10 @@ def test_checkpoint_directory_generates_with_the_named_tokenizer(tmp_path: Path,
     )
     model = Llama(cfg)
     init_weights(model, 0.02, 0)
-    save_model(model, tmp_path)
+    save_model_dir(tmp_path, model)
     result = run_generate(GenerateConfig(model_path=str(tmp_path), prompt="Hello", max_new_tokens=4, stop_ids=[]))
     assert result["prompt_ids"] == smol_tok.encode("Hello")
-    assert result["ids"] == generate_ids(load_model(tmp_path), result["prompt_ids"], 4)
+    assert result["ids"] == generate_ids(load_model_dir(tmp_path), result["prompt_ids"], 4)
     assert result["n_tokens"] == 4 and result["completion"] == smol_tok.decode(result["ids"])
 
 
@@ -364,7 +360,7 @@ def cli_greedy(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Pop
 
 @pytest.fixture(scope="module")
 def smol_model(smollm2: GGUFFile) -> nn.Module:
-    from pipeline.convert import load_llama
+    from pipeline.models.llama_gguf import load_llama
 
     return load_llama(smollm2)[0].eval()
 

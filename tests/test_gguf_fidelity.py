@@ -18,12 +18,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from pipeline.architectures import SUPPORTED, load_gguf
 from pipeline.config import EXPORT_TYPES, ExportConfig
-from pipeline.convert import config_from_gguf, donor_tokenizer_metadata, export_llama, gguf_tensors, load_llama
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.gguf_io import TENSOR_TYPES, GGUFFile, count_tensors
-from pipeline.model import Llama, TransformerConfig, init_weights
+from pipeline.gguf.header import count_tensors
+from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.writer import TENSOR_TYPES
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import config_from_gguf, export_llama, gguf_tensors, load_llama
+from pipeline.models.registry import SUPPORTED, load_gguf
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_reference.json"
 
@@ -59,7 +62,7 @@ def write_llama(
     arch: str = "llama",
 ) -> Path:
     """A llama GGUF written straight with GGUFWriter, every matrix stored as `qtype` (norms F32)."""
-    from pipeline.convert import llama_metadata
+    from pipeline.models.llama_gguf import llama_metadata
 
     w = gguf.GGUFWriter(path, arch)
     keys = {k.replace("llama.", f"{arch}.", 1): v for k, v in llama_metadata(cfg, "f32").items()}
@@ -168,7 +171,7 @@ def test_rope_freqs_of_ones_is_plain_rope_and_scaled_ones_apply(tmp_path: Path) 
         assert torch.equal(back(ids), out)
     np.testing.assert_array_equal(g.tensor("rope_freqs.weight"), factors)
     # first pair's angle at position p is p * inv_freq_0 / factor_0: check against rope_tables directly
-    from pipeline.model import rope_tables
+    from pipeline.models.llama import rope_tables
 
     cos_plain, _ = rope_tables(plain.cfg, 4, torch.device("cpu"))
     cos_scaled, _ = rope_tables(scaled_model.cfg, 4, torch.device("cpu"))

@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.architectures import export_gguf, load_gguf
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
-from pipeline.convert import donor_tokenizer_metadata
+from pipeline.data.instruct import example_arrays, pack_examples
+from pipeline.data.packed import Packed
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.gguf_io import GGUFFile
-from pipeline.gpt2 import GPT2, transformers_overrides
-from pipeline.model import KVCache
+from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.models.base import KVCache
+from pipeline.models.gpt2 import GPT2
+from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.realize import realize
-from pipeline.train import train
+from pipeline.training.loop import train
+from tests.helpers import transformers_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 49152
@@ -136,8 +138,8 @@ def test_config_rejects_grouped_query_attention_for_gpt2() -> None:
 
 
 def test_loader_names_a_foreign_tensor(tmp_path: Path, tok_meta: dict) -> None:
-    from pipeline.gguf_io import write_gguf
-    from pipeline.gpt2 import gpt2_metadata, gpt2_tensors
+    from pipeline.gguf.writer import write_gguf
+    from pipeline.models.gpt2_gguf import gpt2_metadata, gpt2_tensors
 
     m = perturbed()
     tensors = gpt2_tensors(m)
@@ -195,9 +197,25 @@ def test_training_reduces_loss(trained) -> None:
     assert result.final_train_loss < first - 5.0 and result.final_val_loss < 3.0
 
 
+def test_trains_on_packed_instruction_rows() -> None:
+    """gpt2 with data=instruct: response-only loss over packed rows, segment-masked, through the one loop."""
+    rng = np.random.default_rng(0)
+    examples = []
+    for _ in range(12):  # a fixed prompt -> response mapping the model can learn
+        prompt = rng.choice(VOCAB, 5, replace=False).tolist()
+        examples.append(example_arrays(prompt, [prompt[0], prompt[1], prompt[0]]))
+    x, y, seg = pack_examples(examples, 32, pad_id=0)
+    rows = Packed(x, y, seg)
+    model = realize(TINY, "scratch", VOCAB, 0)
+    tcfg = TrainConfig(steps=30, batch_size=2, eval_every=30, log_every=1, precision="fp32", device="cpu")
+    result, _ = train(model, rows, rows, tcfg, OptimConfig(lr=1e-2, warmup_steps=2), 0, progress=False)
+    assert result.initial_val_loss > 9.0 and result.final_val_loss < result.initial_val_loss - 3.0
+    assert any("epoch_train_ppl" in h for h in result.history)
+
+
 def test_llama_cpp_greedy_continuation_matches_ours(tmp_path: Path, tok_meta: dict, trained) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
-    from pipeline.generate import generate_ids
+    from pipeline.models.sampling import generate_ids
 
     model, _, data = trained
     path = export_gguf(model, tmp_path / "m.gguf", tok_meta, {}, "f32")
@@ -229,9 +247,9 @@ def test_gpt2_tiny_config_composes_and_needs_no_transformers_overrides() -> None
     from omegaconf import OmegaConf
 
     from pipeline.config import PipelineConfig
-    from pipeline.realize import llama_config
     from stages.common import typed_config
     from stages.compose import compose_config
+    from tests.helpers import llama_config
 
     composed = compose_config(["model=gpt2-tiny"])
     as_dict = OmegaConf.to_container(composed, resolve=True)

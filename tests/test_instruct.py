@@ -11,28 +11,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.errors import ConfigError, DataError
-from pipeline.gguf_io import GGUFFile
-from pipeline.instruct import (
-    IGNORE_INDEX,
+from pipeline.config import DataConfig
+from pipeline.data.instruct import (
     Example,
     Formatter,
-    InstructConfig,
-    RowSampler,
     build_instruct,
     example_arrays,
-    load_packed,
-    masked_cross_entropy,
     pack_examples,
-    pydoc_pairs,
     read_instruct_jsonl,
-    save_packed,
-    segment_causal_mask,
     truncate,
-    write_pydoc_instruct,
 )
-from pipeline.model import Llama, TransformerConfig, apply_rope, init_weights, rope_tables
-from pipeline.tokenizer import tokenizer_from_gguf
+from pipeline.data.packed import load_rows, save_rows
+from pipeline.data.pydoc_qa import pydoc_pairs, write_pydoc_instruct
+from pipeline.errors import ConfigError, DataError
+from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.models.base import TransformerConfig, init_weights, segment_causal_mask
+from pipeline.models.llama import Llama, apply_rope, rope_tables
+from pipeline.models.losses import IGNORE_INDEX
+from pipeline.training.batches import RowSampler
+from tests.helpers import masked_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +105,7 @@ def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, patt
 
 
 def test_chat_template_formats_prompt_and_response(tok, smollm2: GGUFFile) -> None:
-    fmt = Formatter(tok, smollm2.metadata, InstructConfig())
+    fmt = Formatter(tok, smollm2.metadata, DataConfig())
     prompt, response = fmt.texts(ex("What is 2+2?", "It is 4."))
     assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert response == "It is 4.<|im_end|>\n"
@@ -118,14 +116,14 @@ def test_chat_template_formats_prompt_and_response(tok, smollm2: GGUFFile) -> No
 
 
 def test_plain_template_when_the_gguf_has_none(tok, plain_meta: dict) -> None:
-    fmt = Formatter(tok, plain_meta, InstructConfig())
+    fmt = Formatter(tok, plain_meta, DataConfig())
     assert fmt.chat_template is None
     prompt, response = fmt.texts(ex("Why?", "Because."))
     assert (prompt, response) == ("Question: Why?\nAnswer: ", "Because.")
     _, r_ids = fmt.encode(ex("Why?", "Because."))
     assert r_ids[-1] == tok.eos_id
     with pytest.raises(ConfigError, match="data.template=chat: expected a base GGUF with tokenizer.chat_template"):
-        Formatter(tok, plain_meta, InstructConfig(template="chat"))
+        Formatter(tok, plain_meta, DataConfig(template="chat"))
 
 
 def test_labels_are_response_tokens_only() -> None:
@@ -168,38 +166,36 @@ def test_loss_ignores_prompt_targets_and_sees_response_targets() -> None:
 
 
 def test_truncation_cuts_the_prompt_start_and_keeps_bos() -> None:
-    cfg = InstructConfig(max_seq_len=6)
+    cfg = DataConfig(max_seq_len=6)
     p, r, cut = truncate([1, 10, 11, 12, 13, 14], [20, 21, 22], cfg, bos_id=1, where="x")
     assert (p, r, cut) == ([1, 13, 14], [20, 21, 22], True)
     p, r, cut = truncate([10, 11], [20, 21], cfg, bos_id=1, where="x")
     assert (p, r, cut) == ([10, 11], [20, 21], False)
     # a response longer than the row keeps min_prompt_tokens of prompt and loses its end
-    p, r, cut = truncate(
-        [10, 11, 12], list(range(20, 30)), InstructConfig(max_seq_len=6, min_prompt_tokens=2), None, "x"
-    )
+    p, r, cut = truncate([10, 11, 12], list(range(20, 30)), DataConfig(max_seq_len=6, min_prompt_tokens=2), None, "x")
     assert (p, r, cut) == ([11, 12], [20, 21, 22, 23], True)
 
 
 def test_response_empty_after_truncation_is_named() -> None:
     with pytest.raises(DataError, match=r"d.jsonl line 4: expected a response with at least one token.*max_seq_len=4"):
-        truncate([10, 11], [], InstructConfig(max_seq_len=4), None, "d.jsonl line 4")
+        truncate([10, 11], [], DataConfig(max_seq_len=4), None, "d.jsonl line 4")
     # no prompt left: the response's first token has nothing to be predicted from
     with pytest.raises(DataError, match=r"found 0 \(prompt 0 tokens kept, response 1\)"):
-        truncate([], [20], InstructConfig(max_seq_len=4, min_prompt_tokens=0), None, "x")
+        truncate([], [20], DataConfig(max_seq_len=4, min_prompt_tokens=0), None, "x")
     with pytest.raises(ConfigError, match="data.min_prompt_tokens"):
-        InstructConfig(max_seq_len=4, min_prompt_tokens=4)
+        DataConfig(max_seq_len=4, min_prompt_tokens=4)
 
 
 def test_empty_plain_response_without_eos_is_an_error(tok, plain_meta: dict) -> None:
     with pytest.raises(DataError, match="line 9"):
         examples = [Example(({"role": "user", "content": "q"},), "", "f line 9")]
-        build_instruct(examples, tok, plain_meta, InstructConfig(append_eos=False))
+        build_instruct(examples, tok, plain_meta, DataConfig(add_eos=False))
 
 
 def test_build_counts_truncated_examples(tok, smollm2: GGUFFile) -> None:
     long = " ".join(["word"] * 200)
     examples = [ex("short?", "yes"), ex(long, "fine"), ex("again?", "no")]
-    packed = build_instruct(examples, tok, smollm2.metadata, InstructConfig(max_seq_len=64))
+    packed = build_instruct(examples, tok, smollm2.metadata, DataConfig(max_seq_len=64))
     assert packed.stats["truncated"] == 1 and packed.stats["examples"] == 3
     assert packed.input_ids.shape[1] == 64
     # the learned tokens are the three whole responses, the truncated one's included
@@ -242,10 +238,10 @@ def test_segment_mask_makes_packed_attention_equal_separate_attention() -> None:
 
 def test_packed_data_round_trips_and_samples(tmp_path: Path, tok, smollm2: GGUFFile) -> None:
     examples = [ex(f"q{i}?", f"a{i}") for i in range(6)]
-    packed = build_instruct(examples, tok, smollm2.metadata, InstructConfig(max_seq_len=256))
+    packed = build_instruct(examples, tok, smollm2.metadata, DataConfig(max_seq_len=256))
     assert packed.input_ids.shape[0] == 1 and packed.segment_ids.max() == 6  # all six share one row
     assert packed.stats["filled_positions"] == packed.stats["prompt_tokens"] + packed.stats["response_tokens"]
-    back = load_packed(save_packed(packed, tmp_path / "train.npz"))
+    back = load_rows(save_rows(packed, tmp_path / "train.npz"))
     assert np.array_equal(back.input_ids, packed.input_ids) and back.stats == packed.stats
     x, y, seg = RowSampler(back, 3, seed=0)()
     assert x.shape == y.shape == seg.shape == (3, 256) and x.dtype == torch.int64
@@ -253,11 +249,11 @@ def test_packed_data_round_trips_and_samples(tmp_path: Path, tok, smollm2: GGUFF
 
 def test_bad_instruct_config_is_named() -> None:
     with pytest.raises(ConfigError, match="data.max_seq_len"):
-        InstructConfig(max_seq_len=1)
+        DataConfig(max_seq_len=1)
     with pytest.raises(ConfigError, match="data.template"):
-        InstructConfig(template="alpaca")
+        DataConfig(template="alpaca")
     with pytest.raises(ConfigError, match=r"\{prompt\}"):
-        InstructConfig(plain_prompt="Q:")
+        DataConfig(plain_prompt="Q:")
 
 
 # ----- the default data set -----

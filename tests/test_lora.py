@@ -11,26 +11,27 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import OptimConfig
-from pipeline.convert import gguf_tensors, llama_metadata, load_llama
+from pipeline.config import LoraConfig, OptimConfig
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.gguf_io import GGUFFile, write_gguf
-from pipeline.lora import (
+from pipeline.finetune.base import load_base
+from pipeline.finetune.lora import (
     AdapterError,
-    LoRAConfig,
     LoRALinear,
     attach_lora,
-    load_base,
     load_lora_state_dict,
     lora_layers,
-    lora_parameters,
     lora_state_dict,
     merge_lora,
 )
-from pipeline.model import Llama, TransformerConfig, init_weights
-from pipeline.quant import QuantLinear, dequantize, load_quantized_base, split_blocks, write_quantized_gguf
-from pipeline.train import make_optimizer
+from pipeline.finetune.quant import QuantLinear, dequantize, load_quantized_base, split_blocks
+from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.writer import write_gguf
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import gguf_tensors, llama_metadata, load_llama
+from pipeline.training.optim import make_optimizer
 from tests.conftest import write_tiny_gguf
+from tests.helpers import lora_parameters
 
 CFG = TransformerConfig(vocab_size=96, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=64)
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -55,7 +56,7 @@ def write_tiny_base(path: Path, qtype: str = "f32", seed: int = 0) -> Path:
     meta = {"general.type": "model", **llama_metadata(CFG, "f32")}
     if qtype == "f32":
         return write_gguf(path, "llama", meta, gguf_tensors(m))
-    return write_quantized_gguf(path, "llama", meta, gguf_tensors(m), qtype)
+    return write_gguf(path, "llama", meta, gguf_tensors(m), ggml_type=qtype)
 
 
 def adam_steps(model: torch.nn.Module, n: int = 3) -> torch.optim.Optimizer:
@@ -77,7 +78,7 @@ def test_step0_equals_base_and_only_adapters_train() -> None:
     with torch.no_grad():
         before = model(x)
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
-    paths = attach_lora(model, LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=ALL))
+    paths = attach_lora(model, LoraConfig(rank=4, alpha=8, dropout=0.1, targets=ALL))
     assert paths[:2] == ["blocks.0.attn.wq", "blocks.0.attn.wk"] and len(paths) == 7 * CFG.n_layer
     model.eval()
     with torch.no_grad():
@@ -102,7 +103,7 @@ def test_step0_equals_base_and_only_adapters_train() -> None:
 
 def test_merge_folds_adapters_into_plain_weights() -> None:
     model = tiny()
-    attach_lora(model, LoRAConfig(rank=4, alpha=16, targets=("q", "v", "down")))
+    attach_lora(model, LoraConfig(rank=4, alpha=16, targets=("q", "v", "down"), dropout=0.0))
     with torch.no_grad():
         for m in lora_layers(model).values():
             m.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
@@ -117,20 +118,20 @@ def test_merge_folds_adapters_into_plain_weights() -> None:
 
 def test_lora_state_dict_round_trip_and_shape_mismatch() -> None:
     a = tiny()
-    attach_lora(a, LoRAConfig(rank=2, targets=("q", "k")))
+    attach_lora(a, LoraConfig(rank=2, targets=("q", "k"), dropout=0.0))
     with torch.no_grad():
         for p in lora_parameters(a):
             p.normal_(0, 0.1)
     state = lora_state_dict(a)
     assert sorted(state)[:2] == ["blocks.0.attn.wk.lora_A", "blocks.0.attn.wk.lora_B"]
     b = tiny()
-    attach_lora(b, LoRAConfig(rank=2, targets=("q", "k"), init_seed=9))
+    attach_lora(b, LoraConfig(rank=2, targets=("q", "k"), init_seed=9, dropout=0.0))
     load_lora_state_dict(b, state)
     x, _ = batch()
     with torch.no_grad():
         assert torch.equal(a(x), b(x))
     c = tiny()
-    attach_lora(c, LoRAConfig(rank=3, targets=("q", "k")))
+    attach_lora(c, LoraConfig(rank=3, targets=("q", "k"), dropout=0.0))
     with pytest.raises(
         AdapterError, match=r"blocks\.0\.attn\.wq\.lora_A: expected shape \(3, 64\).*found shape \(2, 64\)"
     ):
@@ -138,15 +139,15 @@ def test_lora_state_dict_round_trip_and_shape_mismatch() -> None:
 
 
 def test_init_is_seeded_and_scaled() -> None:
-    def a_of(cfg: LoRAConfig) -> torch.Tensor:
+    def a_of(cfg: LoraConfig) -> torch.Tensor:
         m = tiny()
         attach_lora(m, cfg)
         return lora_layers(m)["blocks.1.attn.wv"].lora_A.detach()
 
-    base = a_of(LoRAConfig(init_seed=1))
-    assert torch.equal(base, a_of(LoRAConfig(init_seed=1)))
-    assert not torch.equal(base, a_of(LoRAConfig(init_seed=2)))
-    torch.testing.assert_close(a_of(LoRAConfig(init_seed=1, init_scale=0.5)), base * 0.5)
+    base = a_of(LoraConfig(init_seed=1, dropout=0.0))
+    assert torch.equal(base, a_of(LoraConfig(init_seed=1, dropout=0.0)))
+    assert not torch.equal(base, a_of(LoraConfig(init_seed=2, dropout=0.0)))
+    torch.testing.assert_close(a_of(LoraConfig(init_seed=1, init_scale=0.5, dropout=0.0)), base * 0.5)
     assert base.abs().max() <= 1 / 8  # U(-1/sqrt(in), 1/sqrt(in)), in = 64
 
 
@@ -162,39 +163,39 @@ def test_init_is_seeded_and_scaled() -> None:
 )
 def test_bad_lora_config_is_named(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
-        LoRAConfig(**kwargs)
+        LoraConfig(**kwargs)
 
 
 def test_rank_above_layer_width_and_double_attach_are_named() -> None:
     with pytest.raises(ConfigError, match=r"lora.rank: expected at most the width of blocks.0.attn.wk \(32x64\): 32"):
-        attach_lora(tiny(), LoRAConfig(rank=33, targets=("k",)))
+        attach_lora(tiny(), LoraConfig(rank=33, targets=("k",), dropout=0.0))
     m = tiny()
-    attach_lora(m, LoRAConfig(rank=2))
+    attach_lora(m, LoraConfig(rank=2, dropout=0.0))
     with pytest.raises(ConfigError, match=r"blocks.0.attn.wq.*found LoRALinear"):
-        attach_lora(m, LoRAConfig(rank=2))
+        attach_lora(m, LoraConfig(rank=2, dropout=0.0))
     # a target the model does not have as a linear layer
     m = tiny()
     m.blocks[1].attn.wk = torch.nn.Identity()
     with pytest.raises(
         ConfigError, match=r"lora.targets \(blocks.1.attn.wk\): expected a plain linear layer.*Identity"
     ):
-        attach_lora(m, LoRAConfig(rank=2, targets=("q", "k")))
+        attach_lora(m, LoraConfig(rank=2, targets=("q", "k"), dropout=0.0))
     assert all(p.requires_grad for p in m.parameters())  # nothing was changed
     with pytest.raises(ConfigError, match="model config arch: expected an architecture recipe=lora supports"):
-        attach_lora(Llama(replace(CFG, arch="gpt2")), LoRAConfig())
+        attach_lora(Llama(replace(CFG, arch="gpt2")), LoraConfig(dropout=0.0))
 
 
 def test_unsupported_base_architecture_is_named(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    for recipe in ("lora", "qlora", "full-finetune"):
+    for recipe, mode in (("lora", "lora"), ("qlora", "qlora"), ("full-finetune", "full")):
         with pytest.raises(
             GGUFError, match=rf"general.architecture: expected an architecture recipe={recipe} supports"
         ):
-            load_base(path, recipe)
+            load_base(path, mode)
 
 
 def test_full_finetune_trains_every_parameter(tmp_path: Path) -> None:
-    model, _ = load_base(write_tiny_base(tmp_path / "b.gguf"), "full-finetune")
+    model, _ = load_base(write_tiny_base(tmp_path / "b.gguf"), "full")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert all(p.requires_grad for p in model.parameters())
     opt = adam_steps(model, 2)
@@ -250,7 +251,7 @@ def test_qlora_trains_adapters_only_and_keeps_blocks(tmp_path: Path) -> None:
     with torch.no_grad():
         before = model(x)
     packed = {n: b.clone() for n, b in model.named_buffers()}
-    attach_lora(model, LoRAConfig(rank=4, alpha=8, targets=ALL))
+    attach_lora(model, LoraConfig(rank=4, alpha=8, targets=ALL, dropout=0.0))
     with torch.no_grad():
         assert torch.equal(model(x), before)
     opt = adam_steps(model, 3)
@@ -292,7 +293,7 @@ def test_smollm2_qlora_step0_equals_base(smollm2_qlora) -> None:
     x = torch.tensor([[504, 8572, 1278, 335, 14801, 288, 2523, 260]])
     with torch.no_grad():
         base = model(x)
-    attach_lora(model, LoRAConfig(rank=8, alpha=16, targets=("q", "k")))
+    attach_lora(model, LoraConfig(rank=8, alpha=16, targets=("q", "k"), dropout=0.0))
     try:
         assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 30 * 8 * (576 + 576 + 576 + 192)
         with torch.no_grad():

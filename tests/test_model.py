@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.convert import donor_tokenizer_metadata, export_llama, load_llama
 from pipeline.donor import pca
-from pipeline.gguf_io import GGUFFile
-from pipeline.realize import load_model, realize, save_model
+from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.models.llama_gguf import export_llama, load_llama
+from pipeline.realize import realize
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
 VOCAB = 49152
@@ -59,8 +60,8 @@ def test_lens_init_equals_pca_init_at_step_zero(donor_lens) -> None:
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
     m = realize(TINY, "scratch", VOCAB, 3)
-    save_model(m, tmp_path)
-    n = load_model(tmp_path)
+    save_model_dir(tmp_path, m)
+    n = load_model_dir(tmp_path)
     assert n.cfg == m.cfg
     with torch.no_grad():
         assert torch.equal(m(ids()), n(ids()))
@@ -119,8 +120,8 @@ def test_export_loads_in_transformers_with_equal_logprobs(tmp_path: Path, smollm
 
 
 def test_kv_cache_matches_full_forward() -> None:
-    from pipeline.generate import generate_ids
-    from pipeline.model import KVCache
+    from pipeline.models.base import KVCache
+    from pipeline.models.sampling import generate_ids
 
     m = realize(TINY, "scratch", VOCAB, 0).eval()
     x = ids(20)

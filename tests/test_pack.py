@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.corpus import load_documents
+from pipeline.data.corpus import load_documents
+from pipeline.data.packed import load_meta, load_split
+from pipeline.data.text import pack, split_documents
 from pipeline.errors import DataError
-from pipeline.pack import load_meta, load_split, pack, split_documents
-from pipeline.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import checkpoint as ckpt
 from pipeline.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from pipeline.data.packed import load_split
+from pipeline.data.text import pack
 from pipeline.errors import ConfigError
-from pipeline.pack import load_split, pack
-from pipeline.realize import load_model, realize, save_model
-from pipeline.train import NonFiniteError, plan_checkpoints, train
+from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.realize import realize
+from pipeline.training import checkpoint as ckpt
+from pipeline.training.loop import train
+from pipeline.training.resume import plan_checkpoints
+from pipeline.training.runtime import NonFiniteError
 from tests.conftest import ROOT
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
@@ -33,14 +37,14 @@ TCFG = TrainConfig(steps=8, batch_size=4, seq_len=32, eval_every=4, log_every=1,
 
 def make_project(root: Path, gguf, n_docs: int = 12) -> Path:
     """A project directory as the stages see it: real packed text and tiny initial weights."""
-    from pipeline.corpus import load_documents
-    from pipeline.tokenizer import tokenizer_from_gguf
+    from pipeline.data.corpus import load_documents
+    from pipeline.gguf.tokenizer import tokenizer_from_gguf
 
     root.mkdir(parents=True, exist_ok=True)
     docs = load_documents(DataConfig())[:n_docs]
     meta, _ = pack(docs, tokenizer_from_gguf(gguf), DataConfig(val_fraction=0.2), root / "data" / "packed")
     (root / "models" / "init").mkdir(parents=True)
-    save_model(realize(TINY, "scratch", meta.vocab_size, 0), root / "models" / "init")
+    save_model_dir(root / "models" / "init", realize(TINY, "scratch", meta.vocab_size, 0))
     return root
 
 
@@ -60,7 +64,7 @@ def run_lib(
     """The library path of the train stage: plan checkpoints, train the initial weights."""
     optim = optim or OptimConfig(warmup_steps=2)
     plan = plan_checkpoints(tcfg, optim, seed, project / "models" / init, project / "data" / "packed", ckpt_dir)
-    model = load_model(project / "models" / init)
+    model = load_model_dir(project / "models" / init)
     packed = project / "data" / "packed"
     result, _ = train(
         model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, seed, progress=False, plan=plan
@@ -114,14 +118,14 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoints(tmp_path: Path) -> No
     def good(p: Path) -> None:
         p.write_bytes(b"weights")
 
-    ckpt.write(tmp_path, 2, {"w.bin": good}, {"x": 1}, keep=3)
+    ckpt.write(tmp_path, 2, lambda d: good(d / "w.bin"), {"x": 1}, keep=3)
 
     def dies(p: Path) -> None:
         p.write_bytes(b"half")
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        ckpt.write(tmp_path, 4, {"w.bin": good, "opt.pt": dies}, {"x": 2}, keep=3)
+        ckpt.write(tmp_path, 4, lambda d: (good(d / "w.bin"), dies(d / "opt.pt")), {"x": 2}, keep=3)
     # what a SIGKILL mid-write leaves: a temp dir of a process that no longer runs
     stale = tmp_path / ".step-00000006.tmp-999999999"
     stale.mkdir()
@@ -129,7 +133,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoints(tmp_path: Path) -> No
     found = ckpt.newest_valid(tmp_path)
     assert found is not None and found.step == 2 and found.state["x"] == 1
     assert [s for s, _ in ckpt.step_dirs(tmp_path)] == [2]
-    ckpt.write(tmp_path, 4, {"w.bin": good}, {"x": 3}, keep=3)
+    ckpt.write(tmp_path, 4, lambda d: good(d / "w.bin"), {"x": 3}, keep=3)
     assert not stale.exists() and ckpt.newest_valid(tmp_path).step == 4
 
 
@@ -156,7 +160,7 @@ def test_explicit_resume_from_another_config_names_the_differing_keys(project: P
 def test_explicit_resume_of_another_model_names_the_model_keys(project: Path, tmp_path: Path) -> None:
     wider = project / "models" / "init-wider"
     wider.mkdir()
-    save_model(realize(replace(TINY, d_model=48, n_head=6, n_kv_head=3), "scratch", 49152, 0), wider)
+    save_model_dir(wider, realize(replace(TINY, d_model=48, n_head=6, n_kv_head=3), "scratch", 49152, 0))
     _, _, plan = run_lib(project, replace(TCFG, steps=2), tmp_path, init="init-wider")
     with pytest.raises(ConfigError) as err:
         plan_checkpoints(
@@ -195,7 +199,7 @@ def nan_after(model: torch.nn.Module, calls: int) -> None:
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(project: Path, tmp_path: Path) -> None:
     optim = OptimConfig(warmup_steps=2)
     plan = plan_checkpoints(TCFG, optim, 0, project / "models/init", project / "data/packed", tmp_path)
-    model = load_model(project / "models/init")
+    model = load_model_dir(project / "models/init")
     nan_after(model, 5)
     packed = project / "data/packed"
     with pytest.raises(NonFiniteError) as err:
@@ -208,7 +212,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(proj
 def test_skip_nonfinite_skips_and_counts(project: Path, tmp_path: Path) -> None:
     tcfg = replace(TCFG, skip_nonfinite=True)
     optim = OptimConfig(warmup_steps=2)
-    model = load_model(project / "models/init")
+    model = load_model_dir(project / "models/init")
     nan_after(model, 3)
     packed = project / "data/packed"
     result, _ = train(model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, 0, progress=False)
@@ -359,9 +363,9 @@ def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tm
     monkeypatch.chdir(project)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = compose_config(stage_cmd(tmp_path / "d", 6)[3:] + ["train.eval_every=3"])
-    from pipeline.train import _Forward
+    from pipeline.training.session import Forward
 
-    original = _Forward.forward
+    original = Forward.forward
     calls = {"n": 0}
 
     def poisoned(self, idx, targets=None):
@@ -372,7 +376,7 @@ def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tm
                 return out * float("nan")
         return out
 
-    monkeypatch.setattr(_Forward, "forward", poisoned)
+    monkeypatch.setattr(Forward, "forward", poisoned)
     plans = []
 
     def resume_run(typed, paths):

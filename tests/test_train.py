@@ -13,7 +13,10 @@ import torch
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.errors import ConfigError
 from pipeline.realize import realize
-from pipeline.train import BatchSampler, evaluate_loss, lr_at, train
+from pipeline.training.batches import BatchSampler
+from pipeline.training.loop import Hooks, train
+from pipeline.training.optim import lr_at
+from pipeline.training.validation import evaluate_loss
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
 
@@ -42,9 +45,9 @@ def test_sampler_is_seeded() -> None:
 def packed(tmp_path_factory, smollm2):
     """Real text (the language reference) packed with the donor tokenizer, vocab remapped small."""
     from pipeline.config import DataConfig
-    from pipeline.corpus import load_documents
-    from pipeline.pack import encode_documents
-    from pipeline.tokenizer import tokenizer_from_gguf
+    from pipeline.data.corpus import load_documents
+    from pipeline.data.text import encode_documents
+    from pipeline.gguf.tokenizer import tokenizer_from_gguf
 
     docs = load_documents(DataConfig())[:12]
     ids = encode_documents(docs, tokenizer_from_gguf(smollm2), False, True)
@@ -65,7 +68,7 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
         tcfg,
         OptimConfig(lr=3e-3, warmup_steps=5),
         0,
-        log=lambda m, s: logged.append((s, m)),
+        hooks=Hooks(log=lambda m, s: logged.append((s, m))),
         progress=False,
     )
     assert result.final_val_loss < before - 0.5
@@ -112,7 +115,7 @@ def test_seq_len_beyond_context_is_named() -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
-    from pipeline.losses import linear_cross_entropy
+    from pipeline.models.losses import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(300, 48, generator=g, requires_grad=True)
@@ -130,7 +133,7 @@ def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
 
 
 def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
-    from pipeline.losses import linear_cross_entropy
+    from pipeline.models.losses import linear_cross_entropy
 
     h = torch.tensor([[1.0, 0.0]], requires_grad=True)
     w = torch.tensor([[200.0, 0.0], [-200.0, 0.0]])  # p(target=1) = e^-400: below fp32
@@ -141,7 +144,7 @@ def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
 
 
 def test_activation_checkpointing_gives_identical_gradients(packed) -> None:
-    from pipeline.train import enable_activation_checkpointing
+    from pipeline.training.runtime import enable_activation_checkpointing
 
     train_ids, _ = packed
     x = torch.from_numpy(np.asarray(train_ids[:130], dtype=np.int64)).view(2, 65)

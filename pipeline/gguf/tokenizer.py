@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import GGUFFile
+from pipeline.gguf.pretokenizers import PreTokenizer, resolve_pre
+from pipeline.gguf.reader import GGUFFile
 
 # llama.cpp token types (gguf.TokenType / LLAMA_TOKEN_TYPE_*).
 TOKEN_NORMAL = 1
@@ -37,63 +39,6 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SUPPORTED_MODELS = ("gpt2", "llama")
-
-# Pre-tokenizer regexes, verbatim from llama.cpp's src/llama-vocab.cpp (llm_tokenizer_bpe). Each
-# list is applied in order, every regex splitting the pieces the previous one left ("isolated":
-# matches and the text between them both become pieces), then the pieces are byte-level encoded.
-_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_RE = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_RE = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
-
-
-class _Pre:
-    """One llama.cpp pre-tokenizer type: its regexes and the flags llama.cpp sets with it."""
-
-    def __init__(self, regexes: tuple[str, ...], ignore_merges: bool = False, add_bos: bool = False):
-        self.regexes = regexes
-        self.ignore_merges = ignore_merges  # whole pre-token looked up in the vocab before merging
-        self.add_bos = add_bos  # llama.cpp's default for tokenizer.ggml.add_bos_token
-
-
-_PRE_DEFAULT = _Pre(_DEFAULT_RES)
-_PRE_GPT2 = _Pre((_GPT2_RE,))
-_PRE_LLAMA3 = _Pre((_LLAMA3_RE,), ignore_merges=True, add_bos=True)
-_PRE_LLAMA3_MERGING = _Pre((_LLAMA3_RE,))
-_PRE_DIGITS_GPT2 = _Pre((r"\p{N}", _GPT2_RE))
-_PRE_QWEN2 = _Pre((_QWEN2_RE,))
-
-# `tokenizer.ggml.pre` values, spelled as llama.cpp spells them (plus `gpt2`, an alias of `gpt-2`).
-PRE_TOKENIZERS: dict[str, _Pre] = {
-    "default": _PRE_DEFAULT,
-    "gpt-2": _PRE_GPT2,
-    "gpt2": _PRE_GPT2,
-    "phi-2": _PRE_GPT2,
-    "roberta-bpe": _PRE_GPT2,
-    "mpt": _PRE_GPT2,
-    "olmo": _PRE_GPT2,
-    "llama3": _PRE_LLAMA3,
-    "llama-v3": _PRE_LLAMA3,
-    "llama-bpe": _PRE_LLAMA3,
-    "falcon3": _PRE_LLAMA3,
-    "dbrx": _PRE_LLAMA3_MERGING,
-    "smaug-bpe": _PRE_LLAMA3_MERGING,
-    "smollm": _PRE_DIGITS_GPT2,
-    "starcoder": _PRE_DIGITS_GPT2,
-    "refact": _PRE_DIGITS_GPT2,
-    "codeshell": _PRE_DIGITS_GPT2,
-    "qwen2": _PRE_QWEN2,
-    "deepseek-r1-qwen": _PRE_QWEN2,
-    "stablelm2": _PRE_QWEN2,
-    "megrez": _PRE_QWEN2,
-}
-
 _SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 
@@ -119,77 +64,22 @@ class GGUFTokenizer:
 
     def __init__(self, metadata: Mapping[str, Any], source: str = "GGUF metadata"):
         """Build from GGUF metadata (key -> plain value); `source` names the file in errors."""
-        from tokenizers import Tokenizer
-
         self._source = source
-        model_type = metadata.get("tokenizer.ggml.model")
-        if model_type not in SUPPORTED_MODELS:
-            raise GGUFError(
-                problem(
-                    f"{source} tokenizer.ggml.model",
-                    f"one of {', '.join(SUPPORTED_MODELS)}",
-                    repr(model_type) if model_type is not None else "the key is missing",
-                    "use a GGUF with a byte-level BPE (gpt2) or SentencePiece (llama) vocabulary",
-                )
-            )
-        self.model_type = str(model_type)
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens:
-            raise GGUFError(
-                problem(
-                    f"{source} tokenizer.ggml.tokens",
-                    "the vocabulary as a non-empty list of strings",
-                    "it is missing" if tokens is None else f"{tokens!r}"[:60],
-                    "use a GGUF exported with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)",
-                )
-            )
-        # llama.cpp renames empty tokens so every id keeps a distinct text.
-        self._tokens: list[str] = [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.model_type = self._model_type(metadata)
+        self._tokens: list[str] = self._vocabulary(metadata)
         self.vocab_size = len(self._tokens)
         self._types: list[int] = self._token_types(metadata)
         self._token_to_id: dict[str, int] = {t: i for i, t in enumerate(self._tokens)}  # later wins, as llama.cpp
-
         if self.model_type == "gpt2":
-            pre_name = metadata.get("tokenizer.ggml.pre")
-            if pre_name is None or pre_name == "":
-                warnings.warn(
-                    f"{source}: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer "
-                    "(llama.cpp warns that generation quality will be degraded)",
-                    stacklevel=2,
-                )
-                pre_name = "default"
-            if pre_name not in PRE_TOKENIZERS:
-                raise GGUFError(
-                    problem(
-                        f"{source} tokenizer.ggml.pre",
-                        f"a supported pre-tokenizer ({', '.join(sorted(PRE_TOKENIZERS))})",
-                        repr(pre_name),
-                        "add its llama.cpp regexes to pipeline/tokenizer.py PRE_TOKENIZERS, or use another GGUF",
-                    )
-                )
-            self.pre = str(pre_name)
-            pre = PRE_TOKENIZERS[self.pre]
-            self._merges: list[str] | None = self._string_list(metadata, "tokenizer.ggml.merges")
-            self._scores: list[float] | None = None
-            defaults: tuple[int | None, int | None, int | None] = (None, None, None)
-            default_add_bos = pre.add_bos
-            self.add_space_prefix = False  # llama.cpp's BPE tokenizer never prefixes a space
+            pre, defaults, default_add_bos = self._bpe_settings(metadata)
         else:
-            pre = None
-            self.pre = metadata.get("tokenizer.ggml.pre")
-            self._merges = None
-            self._scores = self._float_list(metadata, "tokenizer.ggml.scores")
-            defaults = (1, 2, 0)  # llama.cpp's SentencePiece bos/eos/unk defaults
-            default_add_bos = True
-            self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-
+            pre, defaults, default_add_bos = self._sentencepiece_settings(metadata)
         self.bos_id = self._special_id(metadata, "tokenizer.ggml.bos_token_id", defaults[0])
         self.eos_id = self._special_id(metadata, "tokenizer.ggml.eos_token_id", defaults[1])
         self.unk_id = self._special_id(metadata, "tokenizer.ggml.unknown_token_id", defaults[2])
         self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
         self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
         self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-
         tokenizer = self._build_byte_level_bpe(pre) if pre is not None else self._build_sentencepiece_bpe()
         self._add_special_tokens(tokenizer)
         self._tok: Tokenizer = tokenizer
@@ -263,6 +153,49 @@ class GGUFTokenizer:
 
     # ----- construction -----
 
+    def _model_type(self, metadata: Mapping[str, Any]) -> str:
+        model_type = metadata.get("tokenizer.ggml.model")
+        if model_type not in SUPPORTED_MODELS:
+            raise GGUFError(
+                problem(
+                    f"{self._source} tokenizer.ggml.model",
+                    f"one of {', '.join(SUPPORTED_MODELS)}",
+                    repr(model_type) if model_type is not None else "the key is missing",
+                    "use a GGUF with a byte-level BPE (gpt2) or SentencePiece (llama) vocabulary",
+                )
+            )
+        return str(model_type)
+
+    def _vocabulary(self, metadata: Mapping[str, Any]) -> list[str]:
+        """The token texts; llama.cpp renames empty tokens so every id keeps a distinct text."""
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:
+            raise GGUFError(
+                problem(
+                    f"{self._source} tokenizer.ggml.tokens",
+                    "the vocabulary as a non-empty list of strings",
+                    "it is missing" if tokens is None else f"{tokens!r}"[:60],
+                    "use a GGUF exported with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)",
+                )
+            )
+        return [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+
+    def _bpe_settings(self, metadata: Mapping[str, Any]) -> tuple[PreTokenizer, tuple, bool]:
+        """Byte-level BPE: the pre-tokenizer, merges; no default special ids; BOS as the pre says."""
+        self.pre, pre = resolve_pre(metadata.get("tokenizer.ggml.pre"), self._source)
+        self._merges: list[str] | None = self._string_list(metadata, "tokenizer.ggml.merges")
+        self._scores: list[float] | None = None
+        self.add_space_prefix = False  # llama.cpp's BPE tokenizer never prefixes a space
+        return pre, (None, None, None), pre.add_bos
+
+    def _sentencepiece_settings(self, metadata: Mapping[str, Any]) -> tuple[None, tuple, bool]:
+        """SentencePiece: scores fix the merge order; llama.cpp's bos/eos/unk defaults 1/2/0, BOS on."""
+        self.pre = metadata.get("tokenizer.ggml.pre")
+        self._merges = None
+        self._scores = self._float_list(metadata, "tokenizer.ggml.scores")
+        self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        return None, (1, 2, 0), True
+
     def _token_types(self, metadata: Mapping[str, Any]) -> list[int]:
         types = metadata.get("tokenizer.ggml.token_type")
         if types is None:
@@ -330,10 +263,8 @@ class GGUFTokenizer:
                 vocab[f"\u0000dup{i}\u0000{tok}"] = i
         return vocab
 
-    def _build_byte_level_bpe(self, pre: _Pre):
+    def _build_byte_level_bpe(self, pre: PreTokenizer) -> Tokenizer:
         """Byte-level BPE (`gpt2`): llama.cpp's split regexes, then GPT-2's byte-to-unicode map."""
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
         vocab = self._model_vocab()
         merges: list[tuple[str, str]] = []
         assert self._merges is not None
@@ -355,14 +286,12 @@ class GGUFTokenizer:
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
 
-    def _build_sentencepiece_bpe(self):
+    def _build_sentencepiece_bpe(self) -> Tokenizer:
         """SentencePiece BPE (`llama`): merges recovered from the scores, byte fallback, `▁` spaces.
 
         llama.cpp merges the adjacent pair whose concatenation is the best-scoring token; a BPE
         whose merges producing token t are ranked by t's score (best first) does the same.
         """
-        from tokenizers import Tokenizer, decoders, models, normalizers
-
         vocab = self._model_vocab()
         assert self._scores is not None
         ranked: list[tuple[float, int, int, str, str]] = []
@@ -391,8 +320,6 @@ class GGUFTokenizer:
     def _add_special_tokens(self, tokenizer) -> None:
         """Tokens llama.cpp matches whole in raw text before splitting: CONTROL, UNKNOWN (special,
         dropped by decode) and USER_DEFINED (kept by decode). They keep their vocabulary ids."""
-        from tokenizers import AddedToken
-
         special, user = [], []
         for i, (tok, typ) in enumerate(zip(self._tokens, self._types, strict=True)):
             if self._token_to_id[tok] != i:
@@ -419,9 +346,3 @@ class GGUFTokenizer:
 def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
     """The tokenizer of an opened GGUF (its `tokenizer.ggml.*` metadata)."""
     return GGUFTokenizer(gguf.metadata, source=str(gguf.path))
-
-
-def tokenizer_metadata(gguf: GGUFFile) -> dict[str, Any]:
-    """All `tokenizer.*` keys, verbatim (lists copied), for writing into an exported GGUF so the
-    export tokenizes exactly like its donor."""
-    return {k: (list(v) if isinstance(v, list) else v) for k, v in gguf.metadata.items() if k.startswith("tokenizer.")}

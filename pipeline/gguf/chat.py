@@ -15,53 +15,52 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
+from jinja2 import Undefined
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from pipeline.errors import PipelineError, problem
+from pipeline.gguf.tokenizer import GGUFTokenizer
 
 
 class ChatTemplateError(PipelineError):
     """A chat template is missing, malformed, refused by the sandbox, or raised an error itself."""
 
 
-def _undefined_class():
+class _RefusingUndefined(Undefined):
     """Jinja's lenient Undefined, except that an undefined standing for a *refused* access raises
     when used in any way (printed, tested, iterated): the sandbox alone renders `{{ ''.__class__ }}`
     as an empty string, which would hide the attempt."""
-    from jinja2 import Undefined
-    from jinja2.sandbox import SecurityError
 
-    class RefusingUndefined(Undefined):
-        __slots__ = ()
+    __slots__ = ()
 
-        def _refused(self) -> bool:
-            exc = self._undefined_exception
-            return isinstance(exc, type) and issubclass(exc, SecurityError)
+    def _refused(self) -> bool:
+        exc = self._undefined_exception
+        return isinstance(exc, type) and issubclass(exc, SecurityError)
 
-        def __str__(self) -> str:
-            if self._refused():
-                self._fail_with_undefined_error()
-            return super().__str__()
+    def __str__(self) -> str:
+        if self._refused():
+            self._fail_with_undefined_error()
+        return super().__str__()
 
-        def __bool__(self) -> bool:
-            if self._refused():
-                self._fail_with_undefined_error()
-            return super().__bool__()
+    def __bool__(self) -> bool:
+        if self._refused():
+            self._fail_with_undefined_error()
+        return super().__bool__()
 
-        def __iter__(self):
-            if self._refused():
-                self._fail_with_undefined_error()
-            return super().__iter__()
+    def __iter__(self):
+        if self._refused():
+            self._fail_with_undefined_error()
+        return super().__iter__()
 
-        def __len__(self) -> int:
-            if self._refused():
-                self._fail_with_undefined_error()
-            return super().__len__()
-
-    return RefusingUndefined
+    def __len__(self) -> int:
+        if self._refused():
+            self._fail_with_undefined_error()
+        return super().__len__()
 
 
 def _raise_exception(message: str) -> NoReturn:
-    from jinja2.exceptions import TemplateError
-
     raise TemplateError(message)
 
 
@@ -74,11 +73,8 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 
 def _environment():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], undefined=_undefined_class()
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], undefined=_RefusingUndefined
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -99,8 +95,6 @@ def render_chat(
     `source` names where the template came from, for error messages. The result still contains
     the special tokens as text (`<|im_start|>` ...); tokenize it with special tokens recognised.
     """
-    from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-
     if not isinstance(template, str) or not template.strip():
         raise ChatTemplateError(
             problem(source, "a Jinja chat template", repr(template)[:60], "use a GGUF with tokenizer.chat_template")
@@ -139,3 +133,24 @@ _FIX = "fix the template in the GGUF, or use chat=false and write the prompt you
 
 def _one_line(e: object) -> str:
     return " ".join(str(e).split())[:200]
+
+
+CHAT_END_TOKEN = "<|im_end|>"  # ChatML's end of turn: a stop id for chat when the vocabulary has it
+
+
+def render_messages(
+    tok: GGUFTokenizer, template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool
+) -> str:
+    """`render_chat` with the tokenizer's own BOS/EOS texts, as the template expects them."""
+    bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
+    return render_chat(template, messages, bos, eos, add_generation_prompt=add_generation_prompt)
+
+
+def default_stop_ids(tok: GGUFTokenizer, chat: bool) -> tuple[int, ...]:
+    """EOS, and for chat the end-of-turn token when the vocabulary has one."""
+    stops = [tok.eos_id] if tok.eos_id is not None else []
+    end_turn = tok.token_to_id(CHAT_END_TOKEN) if chat else None
+    if end_turn is not None and end_turn not in stops:
+        stops.append(end_turn)
+    return tuple(stops)

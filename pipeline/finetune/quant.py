@@ -11,8 +11,6 @@ computes exactly what the dequantized (LoRA) base computes.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import GGUFFile
+from pipeline.gguf.reader import GGUFFile
+from pipeline.models.convert import assign_from_gguf
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import LAYOUT, config_from_gguf
+from pipeline.models.names import LLAMA_LAYERS
 
 # ggml type -> (block size in weights, block size in bytes)
 BLOCKS = {
@@ -162,50 +164,37 @@ def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
     Embedding table, norms and (untied) head are dequantized to fp32 as `load_gguf` does; nothing
     else is ever materialised in fp32 (the module is built on the meta device first).
     """
-    from pipeline.convert import BLOCK_TENSORS, config_from_gguf
-    from pipeline.model import Llama
-
     g = source if isinstance(source, GGUFFile) else GGUFFile(source)
     cfg = config_from_gguf(g)
     with torch.device("meta"):
         model = Llama(cfg)
+    matrices = [layer for layer in LLAMA_LAYERS if not layer.is_norm]
     for i, block in enumerate(model.blocks):
-        for ours, theirs in BLOCK_TENSORS.items():
-            path = ours.removesuffix(".weight")
-            if "norm" in path:
-                continue
-            parent_path, attr = path.rsplit(".", 1)
-            layer = QuantLinear.from_gguf(g, f"blk.{i}.{theirs}")
-            old = block.get_submodule(path)
-            if (layer.out_features, layer.in_features) != (old.out_features, old.in_features):
-                raise GGUFError(
-                    problem(
-                        f"{g.path} tensor blk.{i}.{theirs}",
-                        f"shape {(old.out_features, old.in_features)}",
-                        f"shape {(layer.out_features, layer.in_features)}",
-                        "the file is inconsistent",
-                    )
-                )
-            setattr(block.get_submodule(parent_path), attr, layer)
-    dense = {"tok_embd.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    if not cfg.tie_embeddings:
-        dense["head.weight"] = "output.weight"
-    for i in range(cfg.n_layer):
-        for norm in ("attn_norm", "ffn_norm"):
-            dense[f"blocks.{i}.{norm}.weight"] = f"blk.{i}.{norm}.weight"
-    for ours, theirs in dense.items():
-        parent, attr = ours.rsplit(".", 1)
-        module = model.get_submodule(parent)
-        arr = g.tensor(theirs)
-        old = getattr(module, attr)
-        if tuple(arr.shape) != tuple(old.shape):
-            raise GGUFError(
-                problem(f"{g.path} tensor {theirs}", f"shape {tuple(old.shape)}", f"shape {arr.shape}", "re-export it")
-            )
-        setattr(module, attr, nn.Parameter(torch.from_numpy(arr)))
+        for layer in matrices:
+            _quantize_layer(g, block, layer.ours, f"blk.{i}.{layer.gguf}.weight")
+    left = model.state_dict()  # the dense rest: embeddings, norms, an untied head
+    names = LAYOUT.names(cfg.n_layer, cfg.tie_embeddings)
+    assign_from_gguf(model, g, {ours: theirs for ours, theirs in names.items() if ours in left}, strict=False)
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def _quantize_layer(g: GGUFFile, block: nn.Module, path: str, tensor: str) -> None:
+    """Replace the linear layer at `path` in `block` by the file's quantized tensor, shape-checked."""
+    layer = QuantLinear.from_gguf(g, tensor)
+    old = block.get_submodule(path)
+    if (layer.out_features, layer.in_features) != (old.out_features, old.in_features):
+        raise GGUFError(
+            problem(
+                f"{g.path} tensor {tensor}",
+                f"shape {(old.out_features, old.in_features)}",
+                f"shape {(layer.out_features, layer.in_features)}",
+                "the file is inconsistent",
+            )
+        )
+    parent_path, attr = path.rsplit(".", 1)
+    setattr(block.get_submodule(parent_path), attr, layer)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
@@ -217,24 +206,3 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, dense)
     return model
-
-
-def quantized_nbytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held as quantized blocks vs as dense parameters, for reports."""
-    quant = sum(
-        b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()
-    )
-    dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"quantized_bytes": int(quant), "dense_bytes": int(dense)}
-
-
-def write_quantized_gguf(
-    path: str | os.PathLike[str], arch: str, metadata: dict[str, Any], tensors: dict[str, np.ndarray], qtype: str
-) -> Path:
-    """A GGUF whose matrices are quantized to `qtype` with gguf-py (norms stay f32), written atomically.
-
-    For making quantized bases (tests, benchmarks) from any model we can export.
-    """
-    from pipeline.gguf_io import write_gguf
-
-    return write_gguf(path, arch, metadata, tensors, ggml_type=qtype)

@@ -9,87 +9,23 @@ A and B require grad, so an optimizer built from `p.requires_grad` parameters ho
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.config import LoraConfig
 from pipeline.errors import ConfigError, GGUFError, PipelineError, problem
+from pipeline.models.names import LORA_TARGETS
 
-# short target name -> the layer's path inside `blocks.{i}`
-TARGETS: dict[str, str] = {
-    "q": "attn.wq",
-    "k": "attn.wk",
-    "v": "attn.wv",
-    "o": "attn.wo",
-    "gate": "ffn.gate",
-    "up": "ffn.up",
-    "down": "ffn.down",
-}
 SUPPORTED_ARCHS = ("llama",)
 
 
 class AdapterError(PipelineError):
     """An adapter does not fit the model it is applied to (names, shapes, rank)."""
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """What `attach_lora` adds: rank, scale (alpha / rank), dropout, target layers, init.
-
-    `init_scale` multiplies A's default init U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform);
-    B starts at zero whatever it is.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "v")
-    init_seed: int = 0
-    init_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "targets", tuple(self.targets))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
-            raise ConfigError(
-                problem("config key recipe.lora.rank", "an integer >= 1", repr(self.rank), "set recipe.lora.rank=8")
-            )
-        if not self.alpha > 0:
-            raise ConfigError(
-                problem("config key recipe.lora.alpha", "a number > 0", repr(self.alpha), "set recipe.lora.alpha=16")
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(
-                problem("config key recipe.lora.dropout", "in [0, 1)", repr(self.dropout), "set recipe.lora.dropout=0")
-            )
-        if not self.init_scale >= 0:
-            raise ConfigError(
-                problem(
-                    "config key recipe.lora.init_scale",
-                    "a number >= 0",
-                    repr(self.init_scale),
-                    "set recipe.lora.init_scale=1",
-                )
-            )
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise ConfigError(
-                problem(
-                    "config key recipe.lora.targets",
-                    f"a non-empty list of distinct names among {list(TARGETS)}",
-                    f"{list(self.targets)}" + (f" (unknown: {unknown})" if unknown else ""),
-                    "use e.g. recipe.lora.targets=[q,v]",
-                )
-            )
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoRALinear(nn.Module):
@@ -126,7 +62,7 @@ class LoRALinear(nn.Module):
 def target_paths(model: nn.Module, targets: Iterable[str]) -> list[str]:
     """`blocks.{i}.attn.wq` ... for every block and target, in block order."""
     n = len(model.blocks)
-    return [f"blocks.{i}.{TARGETS[t]}" for i in range(n) for t in targets]
+    return [f"blocks.{i}.{LORA_TARGETS[t]}" for i in range(n) for t in targets]
 
 
 def check_architecture(arch: str, where: str, recipe: str, error: type[PipelineError] = GGUFError) -> None:
@@ -147,7 +83,7 @@ def freeze(model: nn.Module) -> None:
         p.requires_grad_(False)
 
 
-def attach_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+def attach_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Freeze `model` and wrap its target layers with adapters; returns the wrapped layers' paths."""
     arch = getattr(getattr(model, "cfg", None), "arch", type(model).__name__)
     check_architecture(arch, "model config arch", "lora", ConfigError)
@@ -194,7 +130,7 @@ def _device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_adapter(layer: LoRALinear, cfg: LoRAConfig, path: str) -> None:
+def _init_adapter(layer: LoRALinear, cfg: LoraConfig, path: str) -> None:
     """A ~ U(-b, b) * init_scale with b = 1/sqrt(in) from a generator seeded by (seed, path); B = 0."""
     g = torch.Generator().manual_seed(cfg.init_seed * 1_000_003 + zlib.crc32(path.encode()))
     bound = 1.0 / math.sqrt(layer.in_features)
@@ -209,24 +145,19 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapters' A and B, the only parameters a LoRA run trains."""
-    return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
-
-
 def lora_config_of(model: nn.Module) -> dict[str, Any]:
     """rank, alpha and targets of the attached adapters (all layers share them)."""
     layers = lora_layers(model)
     if not layers:
         raise AdapterError(problem("model", "LoRA adapters attached", "none", "call attach_lora first"))
     first = next(iter(layers.values()))
-    inverse = {v: k for k, v in TARGETS.items()}
+    inverse = {v: k for k, v in LORA_TARGETS.items()}
     targets = []
     for path in layers:
         short = inverse[path.split(".", 2)[2]]
         if short not in targets:
             targets.append(short)
-    return {"rank": first.rank, "alpha": first.alpha, "targets": [t for t in TARGETS if t in targets]}
+    return {"rank": first.rank, "alpha": first.alpha, "targets": [t for t in LORA_TARGETS if t in targets]}
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -293,29 +224,3 @@ def trainable_summary(model: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     total += sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "dequantize"))
     return {"trainable_params": int(trainable), "total_params": int(total)}
-
-
-def load_base(path: str | os.PathLike[str], recipe: str) -> tuple[nn.Module, Any]:
-    """The base model of a fine-tuning recipe, from a GGUF, and the open GGUFFile.
-
-    `lora`: fp32 dequantized and frozen; `qlora`: block matrices kept quantized (QuantLinear),
-    frozen; `full-finetune`: fp32, every parameter trainable.
-    """
-    from pipeline.gguf_io import GGUFFile
-
-    g = GGUFFile(path)
-    check_architecture(g.architecture, f"{g.path} general.architecture", recipe)
-    if recipe == "qlora":
-        from pipeline.quant import load_quantized_base
-
-        return load_quantized_base(g), g
-    if recipe not in ("lora", "full-finetune"):
-        raise ConfigError(
-            problem("config key recipe.name", "one of lora, qlora, full-finetune", repr(recipe), "pick a recipe")
-        )
-    from pipeline.convert import load_llama
-
-    model, g = load_llama(g)
-    if recipe == "lora":
-        freeze(model)
-    return model, g

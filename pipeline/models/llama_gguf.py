@@ -1,14 +1,14 @@
 """Our llama module <-> GGUF llama tensors and keys, in both directions.
 
-The mapping is one table; names, shapes, sizes and the features a file asks for are checked on
-the way in, so a GGUF that does not fit gives a named error instead of a silent mis-load.
+Names, shapes, sizes and the features a file asks for are checked on the way in, so a GGUF that
+does not fit gives a named error instead of a silent mis-load.
 
 No Q/K permutation, in either direction. llama.cpp's converter permutes the rows of
 attn_q/attn_k from the Hugging Face layout (RoPE on the two halves of each head) into the
 original Meta layout (RoPE on adjacent pairs), and transformers un-permutes them when it reads a
-GGUF. Our attention applies RoPE to adjacent pairs (pipeline.model.apply_rope), i.e. it computes
-in GGUF's layout, so every GGUF tensor is copied as is. tests/test_gguf_fidelity.py proves it:
-our logits on SmolLM2 equal transformers' logits on the same GGUF.
+GGUF. Our attention applies RoPE to adjacent pairs (`pipeline.models.llama.apply_rope`), i.e. it
+computes in GGUF's layout, so every GGUF tensor is copied as is. tests/test_gguf_fidelity.py
+proves it: our logits on SmolLM2 equal transformers' logits on the same GGUF.
 """
 
 from __future__ import annotations
@@ -20,37 +20,28 @@ import numpy as np
 import torch
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf_io import FILE_TYPES, TENSOR_TYPES, GGUFFile, count_tensors, write_gguf
-from pipeline.model import Llama, TransformerConfig
+from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.writer import FILE_TYPES, write_model_gguf
+from pipeline.models.base import TransformerConfig
+from pipeline.models.convert import TensorLayout, assign_from_gguf, check_tensor_set, export_tensors
+from pipeline.models.llama import Llama
+from pipeline.models.names import (
+    ARCHITECTURES,
+    LLAMA_BLOCK_TENSORS,
+    LLAMA_INPUT_TENSORS,
+    LLAMA_OUTPUT_TENSORS,
+    OUTPUT,
+    ROPE_FREQS,
+)
 
-# our parameter name (per block, after "blocks.{i}.") -> GGUF name (after "blk.{i}.")
-BLOCK_TENSORS = {
-    "attn_norm.weight": "attn_norm.weight",
-    "attn.wq.weight": "attn_q.weight",
-    "attn.wk.weight": "attn_k.weight",
-    "attn.wv.weight": "attn_v.weight",
-    "attn.wo.weight": "attn_output.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-    "ffn.gate.weight": "ffn_gate.weight",
-    "ffn.up.weight": "ffn_up.weight",
-    "ffn.down.weight": "ffn_down.weight",
-}
-ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-dimension RoPE divisors (llama.cpp's freq_factors)
+LAYOUT = TensorLayout(LLAMA_INPUT_TENSORS, LLAMA_BLOCK_TENSORS, LLAMA_OUTPUT_TENSORS)
 
 
 def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
     """Every tensor under its GGUF name, fp32, with a lens folded into the embedding table."""
-    with torch.no_grad():
-        out = {"token_embd.weight": model.embedding_table().float().cpu().numpy()}
-        for i, block in enumerate(model.blocks):
-            params = dict(block.named_parameters())
-            for ours, theirs in BLOCK_TENSORS.items():
-                out[f"blk.{i}.{theirs}"] = params[ours].float().cpu().numpy()
-        out["output_norm.weight"] = model.norm.weight.float().cpu().numpy()
-        if model.head is not None:
-            out["output.weight"] = model.head.weight.float().cpu().numpy()
-        if model.cfg.rope_freq_factors:
-            out[ROPE_FREQS] = np.asarray(model.cfg.rope_freq_factors, dtype=np.float32)
+    out = export_tensors(model, LAYOUT.names(model.cfg.n_layer, model.head is None))
+    if model.cfg.rope_freq_factors:
+        out[ROPE_FREQS] = np.asarray(model.cfg.rope_freq_factors, dtype=np.float32)
     return out
 
 
@@ -81,30 +72,6 @@ def export_llama(
     )
 
 
-def write_model_gguf(
-    path: Path,
-    arch: str,
-    arch_meta: dict[str, Any],
-    tensors: dict[str, Any],
-    tokenizer_meta: dict[str, Any],
-    provenance: dict[str, Any],
-    dtype: str,
-) -> Path:
-    """The part every architecture's export shares: check the type, order the keys, write.
-
-    `dtype` (f32, f16, bf16, q8_0) is the type of the matrices; see gguf_io.encode_tensor.
-    """
-    if dtype not in TENSOR_TYPES:
-        raise GGUFError(
-            problem("export.dtype", f"one of {', '.join(TENSOR_TYPES)}", repr(dtype), "pick a supported type")
-        )
-    metadata: dict[str, Any] = {"general.type": "model"}
-    metadata.update(provenance)
-    metadata.update(arch_meta)
-    metadata.update(tokenizer_meta)
-    return write_gguf(path, arch, metadata, tensors, dtype=dtype)
-
-
 def _unsupported(g: GGUFFile, what: str, found: Any, fix: str) -> GGUFError:
     return GGUFError(problem(str(g.path), what, str(found), fix))
 
@@ -120,15 +87,13 @@ def _int_key(g: GGUFFile, suffix: str, default: int | None = None) -> int:
 
 def config_from_gguf(g: GGUFFile) -> TransformerConfig:
     """Rebuild our config from `llama.*` keys, refusing what our module cannot compute exactly."""
-    from pipeline.architectures import SUPPORTED
-
     if g.architecture != "llama":
         raise GGUFError(
             problem(
                 f"{g.path} general.architecture",
-                f"llama for this loader (supported architectures: {', '.join(SUPPORTED)})",
+                f"llama for this loader (supported architectures: {', '.join(ARCHITECTURES)})",
                 repr(g.architecture),
-                "use a GGUF of a supported architecture, loaded through pipeline.architectures.load_gguf",
+                "use a GGUF of a supported architecture, loaded through pipeline.models.registry.load_gguf",
             )
         )
     d_model = _int_key(g, "embedding_length")
@@ -139,7 +104,8 @@ def config_from_gguf(g: GGUFFile) -> TransformerConfig:
     head_dim = d_model // n_head
     _check_features(g, head_dim)
     vocab = _check_embedding(g, d_model)
-    factors = _check_tensor_names(g, n_layer, head_dim)
+    _check_tensor_names(g, n_layer)
+    factors = _rope_freq_factors(g, head_dim)
     return TransformerConfig(
         vocab_size=vocab,
         d_model=d_model,
@@ -200,31 +166,20 @@ def _check_embedding(g: GGUFFile, d_model: int) -> int:
     return rows
 
 
-def _check_tensor_names(g: GGUFFile, n_layer: int, head_dim: int) -> tuple[float, ...]:
-    """Exactly the tensors our module has (plus rope_freqs): nothing missing, nothing ignored.
+def _check_tensor_names(g: GGUFFile, n_layer: int) -> None:
+    """Exactly the tensors our module has (plus an untied head and rope_freqs): nothing missing, nothing ignored."""
+    check_tensor_set(
+        g,
+        LAYOUT.required(n_layer),
+        {OUTPUT, ROPE_FREQS},
+        f"the llama tensors for {n_layer} blocks",
+        "this llama variant (biases, extra layers) is not supported",
+    )
 
-    Returns the RoPE frequency factors (`rope_freqs.weight`), () when absent or all ones.
-    """
-    expected = {"token_embd.weight", "output_norm.weight"}
-    expected |= {f"blk.{i}.{theirs}" for i in range(n_layer) for theirs in BLOCK_TENSORS.values()}
-    present = set(g.tensor_names())
-    missing = sorted(expected - present)
-    if missing:
-        raise GGUFError(
-            problem(str(g.path), f"the llama tensors for {n_layer} blocks", f"{missing[:4]} missing", "re-export it")
-        )
-    extra = sorted(present - expected - {"output.weight", ROPE_FREQS})
-    if extra:
-        more = f" and {len(extra) - 4} more" if len(extra) > 4 else ""
-        raise GGUFError(
-            problem(
-                str(g.path),
-                "only tensors our llama module uses",
-                f"{extra[:4]}{more}",
-                "this llama variant (biases, extra layers) is not supported",
-            )
-        )
-    if ROPE_FREQS not in present:
+
+def _rope_freq_factors(g: GGUFFile, head_dim: int) -> tuple[float, ...]:
+    """The RoPE frequency factors (`rope_freqs.weight`), () when absent or all ones."""
+    if not g.has_tensor(ROPE_FREQS):
         return ()
     factors = g.tensor(ROPE_FREQS)
     if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
@@ -249,49 +204,5 @@ def load_llama(source: Path | GGUFFile) -> tuple[Llama, GGUFFile]:
     cfg = config_from_gguf(g)
     with torch.device("meta"):
         model = Llama(cfg)
-    names = {"tok_embd.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    if not cfg.tie_embeddings:
-        names["head.weight"] = "output.weight"
-    for i in range(cfg.n_layer):
-        for ours, theirs in BLOCK_TENSORS.items():
-            names[f"blocks.{i}.{ours}"] = f"blk.{i}.{theirs}"
-    expected = dict(model.state_dict())
-    state = {}
-    for ours, theirs in names.items():
-        arr = g.tensor(theirs)
-        want = tuple(expected[ours].shape)
-        if arr.shape != want:
-            raise GGUFError(
-                problem(f"{g.path} tensor {theirs}", f"shape {want}", f"shape {arr.shape}", "the file is inconsistent")
-            )
-        state[ours] = torch.from_numpy(arr)
-    model.load_state_dict(state, strict=True, assign=True)
+    assign_from_gguf(model, g, LAYOUT.names(cfg.n_layer, cfg.tie_embeddings))
     return model, g
-
-
-def donor_tokenizer_metadata(donor: GGUFFile) -> dict[str, Any]:
-    """Every `tokenizer.*` key of the donor with its exact GGUF type, to copy into an export."""
-    return {k: donor.typed_field(k) for k in donor.metadata if k.startswith("tokenizer.")}
-
-
-def run_export(
-    train_dir: Path, donor_path: Path, out_path: Path, dtype: str, provenance: dict[str, Any]
-) -> dict[str, float]:
-    """The export stage: trained weights + donor tokenizer -> a llama.cpp-loadable GGUF."""
-    from pipeline.architectures import export_gguf
-    from pipeline.realize import load_model
-
-    model = load_model(train_dir)
-    tok_meta = donor_tokenizer_metadata(GGUFFile(donor_path))
-    n_tokens = len(tok_meta["tokenizer.ggml.tokens"].value) if "tokenizer.ggml.tokens" in tok_meta else 0
-    if n_tokens != model.cfg.vocab_size:
-        raise GGUFError(
-            problem(
-                f"{donor_path} tokenizer.ggml.tokens",
-                f"{model.cfg.vocab_size} tokens (the trained model's vocab)",
-                str(n_tokens),
-                "export with the donor the model was packed with",
-            )
-        )
-    path = export_gguf(model, out_path, tok_meta, provenance, dtype)
-    return {"file_bytes": float(path.stat().st_size), "tensors": float(count_tensors(path))}

@@ -50,7 +50,7 @@ def corpus_sha256(docs: list[Document]) -> str:
 
 def _pydoc(cfg: DataConfig) -> list[Document]:
     """CPython's language reference (`pydoc_data.topics`), one document per topic."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # stdlib, but a large module: only when this source is asked for
 
     return [Document(name, topics[name]) for name in sorted(topics)]
 

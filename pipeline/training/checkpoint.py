@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import atomic_dir
 from pipeline.errors import PipelineError, problem
+from pipeline.files import atomic_dir, flatten, sha256_file
 
 FORMAT = 1
 STATE_FILE = "state.json"
@@ -34,33 +34,6 @@ _TEMP_DIR = re.compile(r"^\.step-\d+\.(?:tmp|old)-(\d+)$")
 
 class CheckpointError(PipelineError):
     """A checkpoint is missing, corrupt, or from a different configuration."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fingerprint(paths: list[Path]) -> str:
-    """sha256 (first 16 hex) over files' names and contents: identifies initial weights and data."""
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(Path(p).name.encode())
-        h.update(sha256_file(p).encode())
-    return h.hexdigest()[:16]
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def config_key(compat: dict[str, Any]) -> str:
@@ -172,21 +145,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write(root: Path, step: int, writers: dict[str, Callable[[Path], None]], state: dict[str, Any], keep: int) -> Path:
+def write(root: Path, step: int, fill: Callable[[Path], None], state: dict[str, Any], keep: int) -> Path:
     """Write one checkpoint atomically, then keep only the newest `keep` (by step) under `root`.
 
-    `writers` maps file names to functions writing that file; `state` (JSON) is written last with
-    a checksum per file, so a directory without a matching state is never taken for a checkpoint.
+    `fill` writes the checkpoint's files into the directory it is given; `state` (JSON) is written
+    last with a checksum per file, so a directory without a matching state is never taken for a
+    checkpoint.
     """
     root = Path(root)
     remove_stale_temps(root)
     final = root / step_name(step)
     with atomic_dir(final) as tmp:
+        fill(tmp)
         files = {}
-        for name, writer in writers.items():
-            writer(tmp / name)
-            _fsync(tmp / name)
-            files[name] = sha256_file(tmp / name)
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+            files[f.name] = sha256_file(f)
         (tmp / STATE_FILE).write_text(json.dumps({**state, "format": FORMAT, "step": step, "files": files}) + "\n")
         _fsync(tmp / STATE_FILE)
     _fsync(root)

@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pipeline.config import LoraConfig
 from pipeline.errors import GGUFError, problem
-from pipeline.lora import (
-    TARGETS,
+from pipeline.files import atomic_dir
+from pipeline.finetune.lora import (
     AdapterError,
-    LoRAConfig,
     attach_lora,
     check_architecture,
     load_lora_state_dict,
@@ -39,28 +40,16 @@ from pipeline.lora import (
     merge_lora,
     target_paths,
 )
+from pipeline.finetune.quant import QuantLinear, dequantize_model
+from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.writer import write_gguf
+from pipeline.models.names import LLAMA_LAYERS, LORA_TARGETS
+from pipeline.models.registry import export_gguf
 
 # our layer path inside a block -> GGUF tensor stem / HF module path inside a decoder layer
-GGUF_LAYERS = {
-    "attn.wq": "attn_q",
-    "attn.wk": "attn_k",
-    "attn.wv": "attn_v",
-    "attn.wo": "attn_output",
-    "ffn.gate": "ffn_gate",
-    "ffn.up": "ffn_up",
-    "ffn.down": "ffn_down",
-}
-HF_LAYERS = {
-    "attn.wq": "self_attn.q_proj",
-    "attn.wk": "self_attn.k_proj",
-    "attn.wv": "self_attn.v_proj",
-    "attn.wo": "self_attn.o_proj",
-    "ffn.gate": "mlp.gate_proj",
-    "ffn.up": "mlp.up_proj",
-    "ffn.down": "mlp.down_proj",
-}
+GGUF_LAYERS = {x.ours: x.gguf for x in LLAMA_LAYERS if x.lora}
+HF_LAYERS = {x.ours: x.hf for x in LLAMA_LAYERS if x.lora}
 PEFT_PREFIX = "base_model.model.model.layers"
-_SHORT = {path: short for short, path in TARGETS.items()}
 
 
 @dataclass(frozen=True)
@@ -97,8 +86,6 @@ def adapter_gguf_tensors(model: nn.Module) -> dict[str, np.ndarray]:
 
 def save_adapter_gguf(model: nn.Module, path: str | os.PathLike[str], provenance: dict[str, Any] | None = None) -> Path:
     """The attached adapters as a llama.cpp LoRA adapter GGUF (f32), written atomically."""
-    from pipeline.gguf_io import write_gguf
-
     info = lora_config_of(model)
     metadata: dict[str, Any] = {"general.type": "adapter", "adapter.type": "lora"}
     metadata.update(provenance or {})
@@ -111,8 +98,6 @@ _GGUF_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
 
 def read_adapter_gguf(path: str | os.PathLike[str]) -> Adapter:
     """A llama.cpp LoRA adapter GGUF (ours or convert_lora_to_gguf.py's) in our naming."""
-    from pipeline.gguf_io import GGUFFile
-
     g = GGUFFile(path)
     where = str(g.path)
     for key, want in (("general.type", "adapter"), ("adapter.type", "lora")):
@@ -167,7 +152,7 @@ def _adapter(state: dict[str, torch.Tensor], names: dict[str, str], alpha: float
     if len(ranks) != 1:
         raise AdapterError(problem(where, "one rank for all layers", f"ranks {sorted(ranks)}", "export it again"))
     rank = ranks.pop()
-    targets = tuple(t for t in TARGETS if any(_split(p)[1] == TARGETS[t] for p in paths))
+    targets = tuple(t for t in LORA_TARGETS if any(_split(p)[1] == LORA_TARGETS[t] for p in paths))
     return Adapter(rank, alpha if alpha > 0 else float(rank), targets, state, names, where)
 
 
@@ -210,7 +195,7 @@ def apply_adapter(model: nn.Module, adapter: Adapter, dropout: float = 0.0) -> l
                 "use an adapter trained on this base (all layers)",
             )
         )
-    cfg = LoRAConfig(rank=adapter.rank, alpha=adapter.alpha, dropout=dropout, targets=adapter.targets)
+    cfg = LoraConfig(rank=adapter.rank, alpha=adapter.alpha, dropout=dropout, targets=list(adapter.targets))
     attached = attach_lora(model, cfg)
     load_lora_state_dict(model, adapter.state, adapter.source)
     return attached
@@ -254,10 +239,6 @@ def save_peft_adapter(
     model: nn.Module, out_dir: str | os.PathLike[str], base_model: str = "", dropout: float = 0.0
 ) -> Path:
     """`adapter_config.json` + `adapter_model.safetensors` that peft loads onto transformers' llama."""
-    from safetensors.torch import save_file
-
-    from pipeline.atomic import atomic_dir
-
     info = lora_config_of(model)
     config = {
         "peft_type": "LORA",
@@ -266,7 +247,7 @@ def save_peft_adapter(
         "r": info["rank"],
         "lora_alpha": info["alpha"],
         "lora_dropout": dropout,
-        "target_modules": [HF_LAYERS[TARGETS[t]].split(".")[-1] for t in info["targets"]],
+        "target_modules": [HF_LAYERS[LORA_TARGETS[t]].split(".")[-1] for t in info["targets"]],
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -290,8 +271,6 @@ _PEFT_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.
 
 def read_peft_adapter(adapter_dir: str | os.PathLike[str], model_cfg: Any) -> Adapter:
     """A PEFT LoRA directory in our naming (q/k lora_B rows back to GGUF order for `model_cfg`)."""
-    from safetensors.torch import load_file
-
     adapter_dir = Path(adapter_dir)
     where = str(adapter_dir)
     cfg_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
@@ -345,9 +324,8 @@ def export_merged_gguf(
     provenance: dict[str, Any],
     dtype: str = "f32",
 ) -> Path:
-    """A copy of `model` with adapters merged (and quantized layers dequantized), as a model GGUF."""
-    from pipeline.architectures import export_gguf
-    from pipeline.quant import dequantize_model
-
-    merged = dequantize_model(merge_lora(copy.deepcopy(model)))
-    return export_gguf(merged, Path(path), tokenizer_meta, provenance, dtype)
+    """`model` as a model GGUF, adapters merged and quantized layers dequantized in a copy (the
+    model itself keeps them)."""
+    if lora_layers(model) or any(isinstance(m, QuantLinear) for m in model.modules()):
+        model = dequantize_model(merge_lora(copy.deepcopy(model)))
+    return export_gguf(model, Path(path), tokenizer_meta, provenance, dtype)

@@ -1,0 +1,38 @@
+"""Typed config schemas: one plain dataclass per concept, the whole of `params.yaml` in `PipelineConfig`.
+
+The stages merge the composed Hydra config into these (OmegaConf checks types there) and
+`__post_init__` rejects bad values, naming the key, before any work starts; the library takes the
+objects as they are. The schemas import only the error shape and the pure-data tensor-name table,
+so every layer may import them.
+"""
+
+from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
+from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
+from pipeline.config.generate import GenerateConfig
+from pipeline.config.model import FINETUNE_MODES, INITS, TRAINABLE, LoraConfig, ModelConfig, RecipeConfig
+from pipeline.config.train import DEVICES, OPTIMIZERS, PARALLEL, PRECISIONS, OptimConfig, TrainConfig
+
+__all__ = [
+    "DEVICES",
+    "EXPORT_TYPES",
+    "FINETUNE_MODES",
+    "INITS",
+    "OPTIMIZERS",
+    "PARALLEL",
+    "PRECISIONS",
+    "SOURCES",
+    "TEMPLATES",
+    "TRAINABLE",
+    "DataConfig",
+    "DonorConfig",
+    "EvaluateConfig",
+    "ExportConfig",
+    "GenerateConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "RecipeConfig",
+    "TrackingConfig",
+    "TrainConfig",
+]

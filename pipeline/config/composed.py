@@ -1,0 +1,76 @@
+"""Export, evaluate and tracking settings, and `PipelineConfig`: the whole composed `params.yaml`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.checks import at_least, check, choice, positive
+from pipeline.config.data import DataConfig, DonorConfig
+from pipeline.config.model import ModelConfig, RecipeConfig
+from pipeline.config.train import OptimConfig, TrainConfig
+
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # = pipeline.gguf.writer.TENSOR_TYPES (a test checks)
+
+
+@dataclass
+class ExportConfig:
+    """The exported GGUF's tensor type and name."""
+
+    dtype: str = "f32"
+    name: str = "smollm-pipeline"
+
+    def __post_init__(self) -> None:
+        choice(self.dtype, "export.dtype", EXPORT_TYPES)
+
+
+@dataclass
+class EvaluateConfig:
+    """Samples written after evaluation, for fixed prompts."""
+
+    prompts: list[str] = field(default_factory=lambda: ["The for statement", "A function definition", "Exceptions are"])
+    max_new_tokens: int = 40
+    temperature: float = 0.8
+    top_k: int = 40
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive(self.max_new_tokens, "evaluate.max_new_tokens")
+        positive(self.temperature, "evaluate.temperature")
+        at_least(self.top_k, "evaluate.top_k", 0, "use 0 for no top-k")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow experiment name; the store URI comes from MLFLOW_TRACKING_URI or the repo's mlflow.db."""
+
+    experiment: str = "smollm-pipeline"
+    enabled: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    """The whole composed config (`params.yaml`)."""
+
+    seed: int = 1337
+    data: DataConfig = field(default_factory=DataConfig)
+    donor: DonorConfig = field(default_factory=DonorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        if self.recipe.finetune:  # the base GGUF fixes the context length; train checks against it
+            return
+        length_key = "data.max_seq_len" if self.data.source == "instruct" else "train.seq_len"
+        length = self.data.max_seq_len if self.data.source == "instruct" else self.train.seq_len
+        check(
+            length <= self.model.context_length,
+            length_key,
+            f"at most model.context_length={self.model.context_length}",
+            length,
+            f"lower {length_key} or raise model.context_length",
+        )

@@ -1,0 +1,47 @@
+"""`python -m stages.generate`: a tool's schema (conf/generate.yaml), not part of params.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.checks import at_least, check, choice, positive
+from pipeline.config.train import DEVICES, PRECISIONS
+
+
+@dataclass
+class GenerateConfig:
+    """`python -m stages.generate` (conf/generate.yaml, not part of params.yaml): which model, which
+    prompt, and llama.cpp-style sampling. temperature=0 is greedy; top_k=0 / top_p=1 disable those."""
+
+    model_path: str = ""  # a GGUF, a model dir (models/init, models/train), or `smollm2`
+    prompt: str = ""
+    tokenizer_gguf: str = "smollm2"  # the tokenizer of a model dir (a GGUF brings its own)
+    lora: str = ""  # a LoRA adapter on top (llama.cpp adapter GGUF or PEFT dir), as llama-cli --lora
+    chat: bool = False  # render the prompt with the GGUF's tokenizer.chat_template
+    system: str = ""  # optional system message for chat
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    repetition_penalty: float = 1.0  # 1 disables
+    repetition_last_n: int = 64  # tokens the penalty looks back over; 0 none, -1 the whole context
+    stop: list[str] = field(default_factory=list)  # stop strings (trimmed from the completion)
+    stop_ids: list[int] | None = None  # None: EOS (+ <|im_end|> with chat); [] for none
+    seed: int = 0
+    cache: bool = True  # false recomputes the whole window every token (for checking the cache)
+    precision: str = "fp32"
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default
+
+    def __post_init__(self) -> None:
+        check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
+        positive(self.max_new_tokens, "max_new_tokens")
+        at_least(self.temperature, "temperature", 0, "use 0 for greedy")
+        at_least(self.top_k, "top_k", 0, "use 0 to disable top-k")
+        check(0 < self.top_p <= 1, "top_p", "a value in (0, 1]", self.top_p, "use 1 to disable top-p")
+        positive(self.repetition_penalty, "repetition_penalty")
+        at_least(self.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
+        check(all(self.stop), "stop", "non-empty stop strings", self.stop, "remove the empty string")
+        choice(self.precision, "precision", PRECISIONS)
+        choice(self.device, "device", DEVICES)
+        at_least(self.threads, "threads", 0, "use 0 for torch's default")

@@ -1,0 +1,150 @@
+"""The model's hyper-parameters and the recipe: how it is realized and what trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.checks import check, choice, integer, positive
+from pipeline.errors import ConfigError, problem
+from pipeline.models.names import ARCHITECTURES, LORA_TARGETS
+
+INITS = ("scratch", "pca", "lens", "base")  # base: the GGUF at donor.path itself (fine-tuning)
+TRAINABLE = ("all", "lora")
+FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
+
+
+@dataclass
+class ModelConfig:
+    """Model hyper-parameters; the realized architecture (`models.base.TransformerConfig`) adds the
+    vocabulary (from the tokenizer) and what the recipe derives (donor width, RoPE factors).
+
+    `arch` is llama or gpt2; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE
+    (rope_theta is ignored).
+    """
+
+    arch: str = "llama"
+    d_model: int = 192
+    n_layer: int = 4
+    n_head: int = 6
+    n_kv_head: int = 2
+    d_ff: int = 512
+    context_length: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        choice(self.arch, "model.arch", ARCHITECTURES)
+        for key in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"):
+            positive(getattr(self, key), f"model.{key}")
+        check(
+            self.d_model % self.n_head == 0,
+            "model.n_head",
+            f"a divisor of model.d_model={self.d_model}",
+            self.n_head,
+            "choose n_head so that d_model/n_head is a whole head size",
+        )
+        check(
+            self.arch != "gpt2" or self.n_kv_head == self.n_head,
+            "model.n_kv_head",
+            f"model.n_head={self.n_head} for arch gpt2 (it has no grouped-query attention)",
+            self.n_kv_head,
+            f"set model.n_kv_head={self.n_head}",
+        )
+        check(
+            self.n_head % self.n_kv_head == 0,
+            "model.n_kv_head",
+            f"a divisor of model.n_head={self.n_head}",
+            self.n_kv_head,
+            "choose n_kv_head so that n_head/n_kv_head is a whole group size",
+        )
+        check(
+            self.arch != "llama" or (self.d_model // self.n_head) % 2 == 0,
+            "model.d_model",
+            "a head size (d_model/n_head) that is even, for RoPE",
+            self.d_model // self.n_head,
+            "change d_model or n_head",
+        )
+        for key in ("rope_theta", "norm_eps", "init_std"):
+            positive(getattr(self, key), f"model.{key}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (`recipe.trainable=lora`): rank, alpha (scale alpha/rank), dropout, target
+    layers among q, k, v, o, gate, up, down, and the seeded init: A ~ U(-1/sqrt(in), 1/sqrt(in))
+    x init_scale (PEFT's kaiming-uniform), B zero, so step 0 is the base."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: list[str] = field(default_factory=lambda: ["q", "v"])
+    init_seed: int = 0
+    init_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        integer(self.rank, "recipe.lora.rank", 1, "set recipe.lora.rank=8")
+        check(self.alpha > 0, "recipe.lora.alpha", "a number > 0", self.alpha, "set recipe.lora.alpha=16")
+        check(0.0 <= self.dropout < 1.0, "recipe.lora.dropout", "in [0, 1)", self.dropout, "set recipe.lora.dropout=0")
+        check(self.init_scale >= 0, "recipe.lora.init_scale", "a number >= 0", self.init_scale, "set 1")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(
+                problem(
+                    "config key recipe.lora.targets",
+                    f"a non-empty list of distinct names among {list(LORA_TARGETS)}",
+                    f"{list(self.targets)}" + (f" (unknown: {unknown})" if unknown else ""),
+                    "use e.g. recipe.lora.targets=[q,v]",
+                )
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class RecipeConfig:
+    """How the model is realized and what trains.
+
+    `init`: scratch, PCA warm-start (pca), PCA lens, or `base`, the GGUF at donor.path itself
+    (fine-tuning). `trainable`: all parameters, or only LoRA adapters on a frozen base;
+    `quantized` (QLoRA) keeps the frozen base's matrices in their GGUF block format.
+    """
+
+    name: str = "warm-start"
+    init: str = "pca"
+    trainable: str = "all"  # all | lora
+    quantized: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        choice(self.init, "recipe.init", INITS)
+        choice(self.trainable, "recipe.trainable", TRAINABLE)
+        check(
+            self.trainable == "all" or self.init == "base",
+            "recipe.init",
+            "base (adapters train on a pretrained GGUF) with recipe.trainable=lora",
+            self.init,
+            "use recipe=lora or recipe=qlora, or set recipe.trainable=all",
+        )
+        check(
+            not self.quantized or self.trainable == "lora",
+            "recipe.quantized",
+            "false unless recipe.trainable=lora (quantized blocks are frozen)",
+            self.quantized,
+            "use recipe=qlora, or set recipe.quantized=false",
+        )
+
+    @property
+    def finetune(self) -> bool:
+        """The model is a pretrained GGUF (donor.path), not built from `model`."""
+        return self.init == "base"
+
+    @property
+    def mode(self) -> str:
+        """The fine-tune mode, the one spelling every module uses: lora, qlora or full."""
+        if self.trainable == "lora":
+            return "qlora" if self.quantized else "lora"
+        return "full"

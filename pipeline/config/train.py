@@ -1,0 +1,78 @@
+"""The optimizer, its schedule, and the training loop's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config.checks import at_least, check, choice, positive
+
+PRECISIONS = ("bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "lbfgs")
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (AdamW, or L-BFGS as llama.cpp's trainer had) and its learning-rate schedule
+    (linear warmup, cosine decay to a floor)."""
+
+    name: str = "adamw"  # adamw | lbfgs
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # floor of the cosine, as a fraction of lr
+    cycle_steps: int = 0  # >0: cosine restarts every cycle_steps after warmup
+    grad_clip: float = 1.0  # 0 disables clipping
+    lbfgs_history: int = 10  # L-BFGS: curvature pairs kept
+    lbfgs_max_iter: int = 1  # L-BFGS: iterations (on the same batch) per training step
+
+    def __post_init__(self) -> None:
+        choice(self.name, "optim.name", OPTIMIZERS)
+        for key in ("lr", "lbfgs_history", "lbfgs_max_iter", "eps"):
+            positive(getattr(self, key), f"optim.{key}")
+        check(0 <= self.beta1 < 1, "optim.beta1", "a value in [0, 1)", self.beta1, "use e.g. 0.9")
+        check(0 <= self.beta2 < 1, "optim.beta2", "a value in [0, 1)", self.beta2, "use e.g. 0.95")
+        at_least(self.weight_decay, "optim.weight_decay", 0, "use e.g. 0.1")
+        at_least(self.warmup_steps, "optim.warmup_steps", 0, "use e.g. 30")
+        check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio, "use 0.1")
+        at_least(self.cycle_steps, "optim.cycle_steps", 0, "use 0 for no restarts")
+        at_least(self.grad_clip, "optim.grad_clip", 0, "use 0 to disable")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: steps, batch shape, precision, validation cadence."""
+
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
+    grad_accum: int = 1
+    precision: str = "bf16"  # bf16 autocast (default on CPU with AMX) | fp32
+    eval_every: int = 100
+    log_every: int = 10
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default
+    compile: bool = False  # torch.compile the transformer blocks
+    activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
+    checkpoint_every: int = 100  # also always at the end; 0: only at the end
+    keep_checkpoints: int = 2  # newest K checkpoints kept per config
+    checkpoint_dir: str = "checkpoints"  # relative to the project root; outside DVC's outs so a crash keeps it
+    resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
+    skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
+    parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
+            positive(getattr(self, key), f"train.{key}")
+        check(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum, "use 1 for none")
+        choice(self.precision, "train.precision", PRECISIONS)
+        choice(self.device, "train.device", DEVICES)
+        at_least(self.threads, "train.threads", 0, "use 0 for torch's default")
+        at_least(self.checkpoint_every, "train.checkpoint_every", 0, "use 0 to checkpoint only at the end")
+        check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
+        check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
+        choice(self.parallel, "train.parallel", PARALLEL)

@@ -1,0 +1,1 @@
+"""Data: corpora and instruction examples, the one train/val split rule, the packed-data format."""

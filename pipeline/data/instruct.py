@@ -1,0 +1,304 @@
+"""Instruction data: JSONL examples -> chat-formatted token rows with response-only labels, packed.
+
+Each example is a prompt (a conversation) and a response. It is rendered with the base GGUF's
+chat template (sandboxed, `pipeline.gguf.chat.render_chat`) or a plain template, tokenized as
+prompt ids + response ids, and turned into next-token pairs: position t holds token t and its
+label is token t+1 when that token belongs to the response, else -100 (ignored by
+`F.cross_entropy(ignore_index=-100)` and by the models' `loss`). Several examples share a row when
+`pack` is on; `segment_ids` (1, 2, ... per example, 0 for padding) make the models' `loss` keep
+attention (and positions) inside each example (`pipeline.models.base.segment_causal_mask`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import DataConfig
+from pipeline.data.packed import SPLITS, Packed, PackMeta, save_rows, write_meta
+from pipeline.data.pydoc_qa import write_pydoc_instruct
+from pipeline.data.split import split_indices
+from pipeline.errors import ConfigError, DataError, problem
+from pipeline.files import atomic_dir, write_text
+from pipeline.gguf.chat import render_messages
+from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.models.losses import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training example: the conversation before the response, and the response."""
+
+    messages: tuple[dict[str, str], ...]
+    response: str
+    where: str  # `file line N`, for errors
+
+
+# ----- reading -----
+
+
+def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
+    """Examples from JSONL lines `{"prompt", "response"}` or `{"messages": [...]}` (last = assistant).
+
+    Blank lines are allowed; any other malformed line is an error naming its line number.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(problem(str(p), "an instruction JSONL file", "no such file", "check data.path"))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            problem(str(p), "UTF-8 text", f"undecodable bytes at {e.start}", "re-encode as UTF-8")
+        ) from None
+    examples = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            examples.append(parse_example(line, f"{p} line {lineno}"))
+    if not examples:
+        raise DataError(problem(str(p), "at least one example", "none", "write one JSON object per line"))
+    return examples
+
+
+def parse_example(line: str, where: str) -> Example:
+    """One JSONL line as an Example, or a DataError saying what is wrong with it."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
+    shape = 'an object with string "prompt" and "response", or "messages" ending with an assistant message'
+    if not isinstance(obj, dict):
+        raise DataError(problem(where, shape, type(obj).__name__, "fix or remove the line"))
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = isinstance(msgs, list) and len(msgs) >= 2
+        ok = ok and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+        ok = ok and all(isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            raise DataError(
+                problem(where, "messages: a list of >= 2 {role, content} strings", repr(msgs)[:80], "fix the line")
+            )
+        if msgs[-1]["role"] != "assistant":
+            raise DataError(
+                problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
+            )
+        prior = tuple({"role": m["role"], "content": m["content"]} for m in msgs[:-1])
+        return Example(prior, msgs[-1]["content"], where)
+    if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
+        raise DataError(problem(where, shape, f"keys {sorted(obj)}", "fix or remove the line"))
+    return Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where)
+
+
+# ----- formatting and tokenizing -----
+
+
+class Formatter:
+    """Example -> (prompt ids, response ids) with the chat template or the plain template."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, metadata: dict[str, Any], cfg: DataConfig):
+        self.tok, self.cfg = tokenizer, cfg
+        template = metadata.get("tokenizer.chat_template")
+        if cfg.template == "chat" and not template:
+            raise ConfigError(
+                problem(
+                    "config key data.template=chat",
+                    "a base GGUF with tokenizer.chat_template",
+                    "none in its metadata",
+                    "use data.template=plain (or auto)",
+                )
+            )
+        self.chat_template = str(template) if template and cfg.template != "plain" else None
+
+    def texts(self, ex: Example) -> tuple[str, str]:
+        """Prompt text (ending where the assistant starts) and response text (incl. end-of-turn)."""
+        if self.chat_template is None:
+            prompt = "\n\n".join(m["content"] for m in ex.messages)
+            return (
+                self.cfg.plain_prompt.replace("{prompt}", prompt),
+                self.cfg.plain_response.replace("{response}", ex.response),
+            )
+        msgs = list(ex.messages)
+        prompt = render_messages(self.tok, self.chat_template, msgs, add_generation_prompt=True)
+        answered = [*msgs, {"role": "assistant", "content": ex.response}]
+        full = render_messages(self.tok, self.chat_template, answered, add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise DataError(
+                problem(
+                    f"{ex.where} (chat template)",
+                    "the conversation with the answer to start with the prompt's rendering",
+                    "a different prefix, so the response cannot be cut out",
+                    "use data.template=plain",
+                )
+            )
+        return prompt, full[len(prompt) :]
+
+    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+        prompt_text, response_text = self.texts(ex)
+        prompt = self.tok.encode(prompt_text)
+        if self.tok.add_bos and self.tok.bos_id is not None and prompt[:1] != [self.tok.bos_id]:
+            prompt = [self.tok.bos_id, *prompt]
+        response = self.tok.encode(response_text) if response_text else []
+        if self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
+            response.append(self.tok.eos_id)
+        return prompt, response
+
+
+def truncate(
+    prompt: list[int], response: list[int], cfg: DataConfig, bos_id: int | None, where: str
+) -> tuple[list[int], list[int], bool]:
+    """Fit prompt + response into `max_seq_len`: cut the prompt's start (keeping a leading BOS) down
+    to `min_prompt_tokens`, then the response's end. An example left without a response target is an
+    error, never skipped silently."""
+    limit = cfg.max_seq_len
+    truncated = len(prompt) + len(response) > limit
+    if truncated:
+        keep = max(min(len(prompt), cfg.min_prompt_tokens), limit - len(response))
+        keep = min(keep, len(prompt))
+        if keep < len(prompt):
+            head = prompt[:1] if bos_id is not None and prompt[:1] == [bos_id] and keep > 0 else []
+            prompt = head + (prompt[len(prompt) - keep + len(head) :] if keep > len(head) else [])
+        response = response[: max(0, limit - len(prompt))]
+    targets = len(response) if prompt else len(response) - 1  # the first token needs a predecessor
+    if targets <= 0:
+        raise DataError(
+            problem(
+                where,
+                f"a response with at least one token to learn after truncation to max_seq_len={limit}",
+                f"{max(targets, 0)} (prompt {len(prompt)} tokens kept, response {len(response)})",
+                "give the example a non-empty response, raise data.max_seq_len or lower data.min_prompt_tokens",
+            )
+        )
+    return prompt, response, truncated
+
+
+def example_arrays(prompt: list[int], response: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """input ids (n) and labels (n): label[t] = token[t+1] when it is a response token, else -100."""
+    tokens = np.asarray(prompt + response, dtype=np.int64)
+    labels = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
+    labels[max(len(prompt), 1) - 1 : len(tokens) - 1] = tokens[max(len(prompt), 1) :]
+    return tokens, labels
+
+
+def pack_examples(
+    encoded: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, pack: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of `seq_len`: examples in order, several per row when `pack` (greedy, never split)."""
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    used = seq_len
+    for ids, labels in encoded:
+        if not pack or used + len(ids) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, labels))
+        used += len(ids)
+    x = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    y = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    seg = np.zeros((len(rows), seq_len), dtype=np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, (ids, labels) in enumerate(row, start=1):
+            x[r, at : at + len(ids)] = ids
+            y[r, at : at + len(ids)] = labels
+            seg[r, at : at + len(ids)] = s
+            at += len(ids)
+    return x, y, seg
+
+
+def build_instruct(
+    examples: list[Example], tokenizer: GGUFTokenizer, metadata: dict[str, Any], cfg: DataConfig
+) -> Packed:
+    """Format, tokenize, truncate and pack `examples`; stats count truncated examples and tokens."""
+    fmt = Formatter(tokenizer, metadata, cfg)
+    encoded = []
+    stats = {"examples": len(examples), "truncated": 0, "prompt_tokens": 0, "response_tokens": 0}
+    for ex in examples:
+        prompt, response = fmt.encode(ex)
+        prompt, response, cut = truncate(prompt, response, cfg, tokenizer.bos_id, ex.where)
+        stats["truncated"] += int(cut)
+        stats["prompt_tokens"] += len(prompt)
+        stats["response_tokens"] += len(response)
+        encoded.append(example_arrays(prompt, response))
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
+    x, y, seg = pack_examples(encoded, cfg.max_seq_len, pad, cfg.pack)
+    stats["rows"] = int(x.shape[0])
+    stats["label_tokens"] = int((y != IGNORE_INDEX).sum())
+    stats["filled_positions"] = int((seg > 0).sum())
+    stats["chat_template"] = int(fmt.chat_template is not None)
+    return Packed(x, y, seg, stats)
+
+
+# ----- the pack stage for data.source=instruct -----
+
+
+def split_examples(lines: list[str], val_fraction: float, seed: int) -> dict[str, list[str]]:
+    """Example lines of each split (see `pipeline.data.split`), order kept within a split."""
+    if len(lines) < 2:
+        raise DataError(
+            problem("instruct data", "at least 2 examples (one train, one val)", str(len(lines)), "add examples")
+        )
+    train, val = split_indices(len(lines), val_fraction, seed)
+    return {"train": [lines[i] for i in train], "val": [lines[i] for i in val]}
+
+
+def write_instruct_splits(data: DataConfig, out_dir: Path) -> dict[str, int]:
+    """`train.jsonl` / `val.jsonl` in `out_dir`: the pydoc Q/A set (data.path empty, split by topic)
+    or the lines of the JSONL at data.path, every line validated first (errors name the line)."""
+    if not data.path:
+        return write_pydoc_instruct(out_dir, data.val_fraction, data.split_seed, data.max_chars)
+    read_instruct_jsonl(data.path)  # a malformed line is an error naming it, before anything is written
+    lines = [line for line in Path(data.path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    split = split_examples(lines, data.val_fraction, data.split_seed)
+    for name, rows in split.items():
+        write_text(Path(out_dir) / f"{name}.jsonl", "".join(r + "\n" for r in rows))
+    return {"train": len(split["train"]), "val": len(split["val"])}
+
+
+def pack_instruct(
+    data: DataConfig, tokenizer: GGUFTokenizer, metadata: dict[str, Any], out_dir: Path
+) -> tuple[PackMeta, dict[str, float]]:
+    """The pack stage for instruct data: split, format with the base's chat template (or the plain
+    one), truncate, pack, and write `out_dir` atomically."""
+    start = time.perf_counter()
+    with atomic_dir(out_dir) as tmp:
+        write_instruct_splits(data, tmp)
+        packed = {n: build_instruct(read_instruct_jsonl(tmp / f"{n}.jsonl"), tokenizer, metadata, data) for n in SPLITS}
+        for name, p in packed.items():
+            save_rows(p, tmp / f"{name}.npz")
+        sha = hashlib.sha256(b"".join((tmp / f"{n}.jsonl").read_bytes() for n in SPLITS)).hexdigest()
+        meta = _instruct_meta(tokenizer, packed, sha, data.max_seq_len)
+        write_meta(tmp, meta)
+    metrics: dict[str, float] = {
+        "seconds": time.perf_counter() - start,
+        "chat_template": float(packed["train"].stats["chat_template"]),
+    }
+    for name, p in packed.items():
+        for key in ("examples", "truncated", "rows", "label_tokens", "prompt_tokens", "response_tokens"):
+            metrics[f"{key}_{name}"] = float(p.stats[key])
+    metrics["tokens"] = float(sum(p.stats["filled_positions"] for p in packed.values()))
+    return meta, metrics
+
+
+def _instruct_meta(tokenizer: GGUFTokenizer, packed: dict[str, Packed], sha: str, seq_len: int) -> PackMeta:
+    ids = np.concatenate([p.input_ids[p.segment_ids > 0] for p in packed.values()])
+    return PackMeta(
+        vocab_size=tokenizer.vocab_size,
+        dtype="int64",
+        tokenizer_fingerprint=tokenizer.fingerprint(),
+        corpus_sha256=sha,
+        source="instruct",
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        documents={n: p.stats["examples"] for n, p in packed.items()},
+        tokens={n: p.stats["filled_positions"] for n, p in packed.items()},
+        distinct_tokens=int(np.unique(ids).size),
+        format="instruct",
+        seq_len=seq_len,
+        stats={n: p.stats for n, p in packed.items()},
+    )

@@ -1,0 +1,134 @@
+"""The packed-data format (`data/packed/`): the one module that writes and reads it.
+
+`meta.json` (vocab size, dtype, tokenizer fingerprint, corpus sha256, counts) describes either
+- running text: `train.bin` / `val.bin`, raw little-endian uint16 ids when the vocab fits, else
+  uint32, read back as read-only memmaps (the corpus is never loaded into RAM); or
+- instruction rows (`format: instruct`): `train.npz` / `val.npz` with `input_ids`, `labels`
+  (-100 = no loss) and `segment_ids` (1.. per packed example, 0 = padding), plus stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import DataError, problem
+from pipeline.files import atomic_file, write_json
+
+SPLITS = ("train", "val")
+META_FILE = "meta.json"
+
+
+@dataclass
+class PackMeta:
+    vocab_size: int
+    dtype: str
+    tokenizer_fingerprint: str
+    corpus_sha256: str
+    source: str
+    bos_id: int | None
+    eos_id: int | None
+    documents: dict[str, int]
+    tokens: dict[str, int]
+    distinct_tokens: int
+    format: str = "tokens"  # tokens (train.bin/val.bin) | instruct (train.npz/val.npz rows)
+    seq_len: int = 0  # instruct: row length
+    stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
+
+
+@dataclass
+class Packed:
+    """Rows of `max_seq_len` positions: token ids, next-token labels (-100 = no loss), segment ids."""
+
+    input_ids: np.ndarray  # (N, T) int64
+    labels: np.ndarray  # (N, T) int64
+    segment_ids: np.ndarray  # (N, T) int32, 1.. per example in the row, 0 = padding
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def write_meta(out_dir: Path, meta: PackMeta) -> None:
+    write_json(Path(out_dir) / META_FILE, asdict(meta))
+
+
+def write_tokens(out_dir: Path, split: str, ids: np.ndarray) -> None:
+    """One split's ids as raw little-endian `train.bin` / `val.bin`."""
+    ids.astype(ids.dtype.newbyteorder("<")).tofile(Path(out_dir) / f"{split}.bin")
+
+
+def save_rows(packed: Packed, path: str | os.PathLike[str]) -> Path:
+    """An .npz of the three arrays plus stats (JSON), written atomically."""
+    with atomic_file(path, suffix=".npz") as tmp:
+        np.savez(
+            tmp,
+            input_ids=packed.input_ids,
+            labels=packed.labels,
+            segment_ids=packed.segment_ids,
+            stats=np.frombuffer(json.dumps(packed.stats).encode(), dtype=np.uint8),
+        )
+    return Path(path)
+
+
+def load_rows(path: str | os.PathLike[str]) -> Packed:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(problem(str(p), "packed instruction data (.npz)", "no such file", "re-run the data stage"))
+    with np.load(p) as z:
+        stats = json.loads(bytes(z["stats"]).decode())
+        return Packed(z["input_ids"], z["labels"], z["segment_ids"], stats)
+
+
+def load_meta(packed_dir: Path) -> PackMeta:
+    """The packed data's meta, with a named error when the pack stage has not run."""
+    path = Path(packed_dir) / META_FILE
+    if not path.is_file():
+        raise DataError(problem(str(path), "packed data from the pack stage", "no such file", "run: dvc repro pack"))
+    try:
+        return PackMeta(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise DataError(problem(str(path), "a pack meta.json", f"unreadable ({e})", "re-run: dvc repro pack")) from None
+
+
+def data_files(packed_dir: Path) -> list[Path]:
+    """The files that identify the packed data (for checkpoint compatibility)."""
+    ext = "npz" if load_meta(packed_dir).format == "instruct" else "bin"
+    return [Path(packed_dir) / n for n in (META_FILE, f"train.{ext}", f"val.{ext}")]
+
+
+def load_data(packed_dir: Path, split: str) -> np.memmap | Packed:
+    """One split as the training loop takes it: token ids, or instruct rows."""
+    if load_meta(packed_dir).format == "instruct":
+        return load_rows(Path(packed_dir) / f"{split}.npz")
+    return load_split(packed_dir, split)
+
+
+def load_split(packed_dir: Path, split: str) -> np.memmap:
+    """One split's ids as a read-only memmap (the whole corpus is never loaded into RAM)."""
+    meta = load_meta(packed_dir)
+    if meta.format != "tokens":
+        raise DataError(
+            problem(
+                str(packed_dir),
+                "running-text token ids (train.bin/val.bin)",
+                f"{meta.format} data (data.source={meta.source})",
+                "use text data here, or a stage that takes instruct rows",
+            )
+        )
+    path = Path(packed_dir) / f"{split}.bin"
+    expected = meta.tokens[split] * np.dtype(meta.dtype).itemsize
+    if not path.is_file() or path.stat().st_size != expected:
+        found = path.stat().st_size if path.is_file() else "no file"
+        raise DataError(problem(str(path), f"{expected} bytes per meta.json", f"{found}", "re-run: dvc repro pack"))
+    return np.memmap(path, dtype=np.dtype(meta.dtype).newbyteorder("<"), mode="r")
+
+
+def is_rows(data: object) -> bool:
+    """Instruct data (packed rows with labels and segments) rather than a token stream."""
+    return isinstance(data, Packed)

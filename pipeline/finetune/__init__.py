@@ -1,0 +1,1 @@
+"""Fine-tuning a pretrained GGUF: LoRA adapters, QLoRA's quantized frozen base, adapter files."""

@@ -1,0 +1,254 @@
+"""What every architecture shares: the config dataclass, the block, attention over a KV cache, the
+token table with its optional donor lens, the (tied) head and the loss, the seeded init.
+
+An architecture (`llama.py`, `gpt2.py`) supplies its attention and feed-forward modules, its norm,
+how positions enter (`embed`), and which projections are residual; everything else lives here, so
+the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import ConfigError, problem
+from pipeline.models.losses import linear_cross_entropy, select_targets
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Everything that fixes the model's shape; saved as JSON beside the weights.
+
+    One dataclass for every architecture (`arch`); fields an architecture does not use (e.g.
+    `n_kv_head` and `rope_theta` for gpt2) are ignored by it.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    context_length: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    donor_dim: int = 0  # >0: embedding table is donor-width, projected by a trainable lens
+    arch: str = "llama"
+    rope_freq_factors: tuple[float, ...] = ()  # llama3-style per-dimension divisors (GGUF rope_freqs); () = plain
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_hparams(cls, hparams: Any, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
+        """The architecture a `ModelConfig` asks for, with the vocabulary the tokenizer fixes."""
+        shared = {f.name: getattr(hparams, f.name) for f in fields(cls) if hasattr(hparams, f.name)}
+        return cls(**{**shared, "vocab_size": vocab_size, "donor_dim": donor_dim})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                problem("model config", f"keys among {sorted(known)}", f"unknown keys {unknown}", "re-run realize")
+            )
+        if "rope_freq_factors" in d:
+            d = {**d, "rope_freq_factors": tuple(d["rope_freq_factors"])}
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: Path) -> TransformerConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer: (B, n_kv_head, T, head_dim)."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is not None:
+            k = torch.cat((self.k[layer], k), dim=2)
+            v = torch.cat((self.v[layer], v), dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor | None:
+    """None when no mask is needed (one new token sees every cached key); else query i sees keys
+    up to its own position."""
+    if t_q == 1:
+        return None
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids -> (B, 1, T, T) bool, True where query i may attend key j: same segment
+    and j <= i. Padding (segment 0) attends to padding only, so no row of the mask is empty."""
+    t = segment_ids.shape[-1]
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions that restart at 0 where each packed example starts: absolute position
+    embeddings then see every example as they would see it alone."""
+    t = segment_ids.shape[-1]
+    index = torch.arange(t, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache | None,
+    layer: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal (or `mask`ed) attention of (B, H, T, D) queries over the keys, cached ones included.
+
+    Grouped-query attention: query head h reads kv head h // groups, as llama.cpp does.
+    """
+    if cache is not None:
+        k, v = cache.append(layer, k, v)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], k.shape[2], q.device))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, attn_norm: nn.Module, attn: nn.Module, ffn_norm: nn.Module, ffn: nn.Module):
+        super().__init__()
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, layer, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only language model: token table (optionally donor-width + lens), blocks, final
+    norm, (tied) head. Subclasses build the modules and say how positions enter (`embed`)."""
+
+    cfg: TransformerConfig
+    tok_embd: nn.Embedding
+    lens: nn.Linear | None
+    blocks: nn.ModuleList
+    norm: nn.Module
+    head: nn.Linear | None
+    RESIDUAL_PROJECTIONS: tuple[str, ...] = ()  # parameter name endings initialised at std/sqrt(2*n_layer)
+
+    def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
+        """Input of the first block for tokens at positions start.. (and the RoPE tables, if any)."""
+        raise NotImplementedError
+
+    def tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_embd(idx) if self.lens is None else self.lens(self.tok_embd(idx))
+
+    def embedding_table(self) -> torch.Tensor:
+        """The (vocab, d_model) table the model actually uses: the lens folded in when present."""
+        return self.tok_embd.weight if self.lens is None else self.lens(self.tok_embd.weight)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embedding_table() if self.head is None else self.head.weight
+
+    def hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens.
+
+        `segment_ids` (B, T) keeps attention (and positions) inside each packed example.
+        """
+        start = 0 if cache is None else cache.length
+        if start + idx.shape[1] > self.cfg.context_length:
+            raise ValueError(
+                f"sequence of {start + idx.shape[1]} tokens exceeds context_length {self.cfg.context_length}"
+            )
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids are for training rows, not for cached decoding")
+        mask = None if segment_ids is None else segment_causal_mask(segment_ids)
+        x, rope = self.embed(idx, start, segment_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, cache, i, mask)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab)."""
+        return F.linear(self.hidden(idx, cache), self.head_weight())
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (softmax in fp32) over targets that are not IGNORE_INDEX.
+
+        With gradients on, the head and the softmax run chunked (`linear_cross_entropy`), so the
+        (tokens x vocab) fp32 logits are never materialised; without, the plain path.
+        """
+        h, t = select_targets(self.hidden(idx, segment_ids=segment_ids).flatten(0, 1), targets.flatten())
+        if torch.is_grad_enabled():
+            return linear_cross_entropy(h, self.head_weight(), t)
+        return F.cross_entropy(F.linear(h, self.head_weight()).float(), t)
+
+
+def init_weights(model: DecoderLM, std: float, seed: int) -> None:
+    """GPT-2 style init: N(0, std), residual projections std/sqrt(2*n_layer), norms 1, biases 0.
+
+    Each parameter draws from its own generator seeded by (seed, name), so a parameter's init
+    does not depend on which other parameters exist (e.g. `lens` and `pca` get the same blocks).
+    """
+    resid_std = std / math.sqrt(2 * model.cfg.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if "norm." in name:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name.endswith(model.RESIDUAL_PROJECTIONS):
+                p.normal_(0.0, resid_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,85 @@
+"""The GPT-2 architecture (after nanoGPT's model.py): LayerNorm with bias, GELU (tanh approximation,
+as GPT-2 and llama.cpp compute it), learned absolute positions, biases on every linear, one fused
+qkv projection; everything else is the shared `DecoderLM`.
+
+Our `nn.Linear` weights are (out, in), which is exactly GGUF's gpt2 tensor layout (llama.cpp's
+converter transposes HF's Conv1D weights into it), so tensors map 1:1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend, segment_positions
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention from one fused qkv projection (q, k, v stacked on the out dim)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`rope` is unused (positions are added at the input); `mask` as in llama's attention."""
+        b, t, d = x.shape
+        q, k, v = (
+            z.view(b, t, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2) for z in self.qkv(x).split(d, dim=2)
+        )
+        y = attend(q, k, v, cache, layer, mask)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    """down(gelu_tanh(up(x)))."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class GPT2(DecoderLM):
+    """Token (optionally donor-width + lens) and position embeddings, blocks, final LayerNorm, head."""
+
+    RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.down.weight")
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embd = nn.Embedding(cfg.vocab_size, cfg.donor_dim or cfg.d_model)
+        self.lens = nn.Linear(cfg.donor_dim, cfg.d_model, bias=False) if cfg.donor_dim else None
+        self.pos_embd = nn.Embedding(cfg.context_length, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(
+                nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+                Attention(cfg),
+                nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+                FeedForward(cfg),
+            )
+            for _ in range(cfg.n_layer)
+        )
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
+        """Token plus position vectors; packed examples (segment ids) each start at position 0."""
+        if segment_ids is None:
+            positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        else:
+            positions = segment_positions(segment_ids)
+        return self.tokens(idx) + self.pos_embd(positions), None

@@ -1,0 +1,69 @@
+"""The one table of tensor names: our module paths, GGUF names, Hugging Face / PEFT names, LoRA targets.
+
+GGUF loading and export, QLoRA's quantized blocks, LoRA target names and both adapter formats all
+derive their names from here, so a layer is renamed in one place. Pure data: no torch, so the
+config schemas can validate LoRA targets against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHITECTURES = ("llama", "gpt2")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One weight of a transformer block, under every name it goes by."""
+
+    ours: str  # module path inside `blocks.{i}` (the parameter is `<ours>.weight`)
+    gguf: str  # tensor stem inside `blk.{i}` (the tensor is `<gguf>.weight`)
+    hf: str = ""  # transformers module path inside `model.layers.{i}` (llama)
+    lora: str = ""  # short LoRA target name; empty for weights adapters never target (norms)
+
+    @property
+    def is_norm(self) -> bool:
+        return self.ours.endswith("norm")
+
+
+LLAMA_LAYERS: tuple[Layer, ...] = (
+    Layer("attn_norm", "attn_norm", "input_layernorm"),
+    Layer("attn.wq", "attn_q", "self_attn.q_proj", "q"),
+    Layer("attn.wk", "attn_k", "self_attn.k_proj", "k"),
+    Layer("attn.wv", "attn_v", "self_attn.v_proj", "v"),
+    Layer("attn.wo", "attn_output", "self_attn.o_proj", "o"),
+    Layer("ffn_norm", "ffn_norm", "post_attention_layernorm"),
+    Layer("ffn.gate", "ffn_gate", "mlp.gate_proj", "gate"),
+    Layer("ffn.up", "ffn_up", "mlp.up_proj", "up"),
+    Layer("ffn.down", "ffn_down", "mlp.down_proj", "down"),
+)
+
+# our parameter name inside `blocks.{i}` -> GGUF tensor name inside `blk.{i}`
+LLAMA_BLOCK_TENSORS: dict[str, str] = {f"{x.ours}.weight": f"{x.gguf}.weight" for x in LLAMA_LAYERS}
+# LoRA target short name -> our module path inside `blocks.{i}`, in block order
+LORA_TARGETS: dict[str, str] = {x.lora: x.ours for x in LLAMA_LAYERS if x.lora}
+# our module path -> the layer (for adapters: GGUF stem, HF module)
+LLAMA_BY_PATH: dict[str, Layer] = {x.ours: x for x in LLAMA_LAYERS}
+
+# gpt2: our parameter name inside `blocks.{i}` -> GGUF tensor name inside `blk.{i}`
+GPT2_BLOCK_TENSORS: dict[str, str] = {
+    f"{ours}.{kind}": f"{theirs}.{kind}"
+    for ours, theirs in (
+        ("attn_norm", "attn_norm"),
+        ("attn.qkv", "attn_qkv"),
+        ("attn.proj", "attn_output"),
+        ("ffn_norm", "ffn_norm"),
+        ("ffn.up", "ffn_up"),
+        ("ffn.down", "ffn_down"),
+    )
+    for kind in ("weight", "bias")
+}
+
+# tensors outside the blocks, our parameter name -> GGUF name: before the blocks, after them
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"  # an untied head, after everything else
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair RoPE divisors (llama.cpp's freq_factors)
+LLAMA_INPUT_TENSORS = {"tok_embd.weight": TOKEN_EMBD}
+LLAMA_OUTPUT_TENSORS = {"norm.weight": "output_norm.weight"}
+GPT2_INPUT_TENSORS = {"tok_embd.weight": TOKEN_EMBD, "pos_embd.weight": "position_embd.weight"}
+GPT2_OUTPUT_TENSORS = {"norm.weight": "output_norm.weight", "norm.bias": "output_norm.bias"}

@@ -1,0 +1,140 @@
+"""Seeded batches for the loop, and the checks that the data can serve the batch shape asked for.
+
+Token streams give random windows of `train.seq_len + 1` tokens; packed instruction rows give
+epochs over the rows. Each sampler's whole future is its state (`state()` / `set_state()`), which
+checkpoints carry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.packed import Packed, is_rows
+from pipeline.errors import ConfigError, problem
+from pipeline.training import distributed as dist
+
+
+class BatchSampler:
+    """Random windows of `seq_len + 1` tokens from a memmapped split, from a seeded generator."""
+
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size, endpoint=True)
+        rows = np.stack([np.asarray(self.data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+    def state(self) -> dict[str, Any]:
+        return self.rng.bit_generator.state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state
+
+
+class RowSampler:
+    """Batches of packed rows (x, labels, segment_ids), epoch by epoch: each epoch visits every row
+    once in a fresh seeded order; a batch may straddle two epochs."""
+
+    def __init__(self, packed: Packed, batch_size: int, seed: int):
+        self.packed, self.batch_size = packed, batch_size
+        self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(len(packed.input_ids))
+        self.drawn = 0  # rows handed out so far, over all epochs
+
+    @property
+    def rows(self) -> int:
+        return len(self.packed.input_ids)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed so far (fractional)."""
+        return self.drawn / self.rows
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        picks = []
+        for _ in range(self.batch_size):
+            at = self.drawn % self.rows
+            if at == 0 and self.drawn > 0:
+                self.order = self.rng.permutation(self.rows)
+            picks.append(int(self.order[at]))
+            self.drawn += 1
+        p = self.packed
+        return (
+            torch.from_numpy(p.input_ids[picks]),
+            torch.from_numpy(p.labels[picks]),
+            torch.from_numpy(p.segment_ids[picks].astype(np.int64)),
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist(), "drawn": self.drawn}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"], dtype=np.int64)
+        self.drawn = int(state["drawn"])
+
+
+def make_sampler(data: np.ndarray | Packed, tcfg: TrainConfig, seed: int) -> BatchSampler | RowSampler:
+    """Seeded batches: random windows of a token stream, or epochs over packed rows."""
+    if is_rows(data):
+        return RowSampler(data, tcfg.batch_size, seed)
+    return BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
+
+
+def sequence_length(data: np.ndarray | Packed, tcfg: TrainConfig) -> int:
+    """Positions per training row: train.seq_len for token streams, the packed row length for rows."""
+    return int(data.input_ids.shape[1]) if is_rows(data) else tcfg.seq_len
+
+
+def check_split_fits(n_tokens: int, split: str, batch_size: int, seq_len: int) -> None:
+    """A split must hold at least one window, and the batch must not exceed what is there."""
+    if n_tokens < seq_len + 1:
+        raise ConfigError(
+            problem(
+                "config key train.seq_len",
+                f"at most {n_tokens - 1} (the {split} split has {n_tokens} tokens)",
+                str(seq_len),
+                "lower train.seq_len or pack a larger corpus",
+            )
+        )
+    if split == "train" and batch_size * seq_len > n_tokens:
+        raise ConfigError(
+            problem(
+                "config keys train.batch_size x train.seq_len",
+                f"at most the {n_tokens} tokens of the train split",
+                f"{batch_size} x {seq_len} = {batch_size * seq_len}",
+                "lower the batch or sequence length, or pack a larger corpus",
+            )
+        )
+
+
+def check_batches(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainConfig, optim: OptimConfig) -> None:
+    """Everything about the batch shape and options that the data, model or job cannot serve."""
+    length = sequence_length(train_data, tcfg)
+    key = "data.max_seq_len" if is_rows(train_data) else "train.seq_len"
+    if length > model.cfg.context_length:
+        raise ConfigError(
+            problem(
+                f"config key {key}",
+                f"at most the model's context_length={model.cfg.context_length}",
+                str(length),
+                f"lower {key}",
+            )
+        )
+    if not is_rows(train_data):
+        check_split_fits(len(train_data), "train", tcfg.batch_size, tcfg.seq_len)
+        check_split_fits(len(val_data), "val", 1, tcfg.seq_len)
+    info = dist.env_info()
+    dist.check_batch_divides(tcfg.batch_size, info)
+    if optim.name == "lbfgs" and info.enabled and tcfg.parallel == "fsdp":
+        raise ConfigError(
+            problem("config key optim.name", "adamw with train.parallel=fsdp", "lbfgs", "use DDP or AdamW")
+        )

@@ -1,0 +1,255 @@
+"""The one training loop every recipe uses.
+
+Recipes differ only in what the model holds (what requires grad, how it was realized) and what
+its `loss` adds; the loop is the same: a seeded batch, forward/backward under autocast
+(accumulated, DDP/FSDP-synchronised), clipping, an AdamW or L-BFGS step on the schedule's LR,
+fp32 validation, logging through a plain callback (this module knows nothing of MLflow), and
+checkpoints from which a resumed run ends bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.packed import Packed, is_rows
+from pipeline.training import checkpoint as ckpt
+from pipeline.training import distributed as dist
+from pipeline.training.batches import check_batches, make_sampler, sequence_length
+from pipeline.training.optim import clip_gradients, lbfgs_step, lr_at, nonfinite_message, set_lr
+from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, save_checkpoint
+from pipeline.training.runtime import (
+    NonFiniteError,
+    autocast,
+    compile_blocks,
+    enable_activation_checkpointing,
+    interrupted,
+    keep_freed_memory,
+    pick_device,
+    stop_on_signals,
+)
+from pipeline.training.session import Session
+from pipeline.training.validation import validation_loss
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+def _ignore(*_: Any) -> None:
+    return None
+
+
+@dataclass
+class Hooks:
+    """Where the loop reports: `log(metrics, step)` (main rank only), `flush()` before each
+    checkpoint so the tracker holds every metric up to it, and the run id checkpoints record."""
+
+    log: LogFn = _ignore
+    flush: Callable[[], None] = _ignore
+    run_id: str | None = None
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens_seen: int
+    final_train_loss: float
+    final_val_loss: float
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)  # one row per logged step
+    resumed_from: int = 0  # the step a checkpoint resumed at (0: a fresh start)
+    skipped_steps: int = 0
+    checkpoint: str | None = None  # the final checkpoint
+    weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # full, on the main rank
+    optimizer_state: dict[str, Any] | None = field(default=None, repr=False)  # name-keyed, main rank
+    initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base model's)
+
+    @property
+    def final_val_ppl(self) -> float:
+        return math.exp(self.final_val_loss)
+
+
+def train(
+    model: nn.Module,
+    train_data: np.ndarray | Packed,
+    val_data: np.ndarray | Packed,
+    tcfg: TrainConfig,
+    optim: OptimConfig,
+    seed: int,
+    hooks: Hooks | None = None,
+    plan: CheckpointPlan | None = None,
+    progress: bool = True,
+) -> tuple[TrainResult, torch.optim.Optimizer]:
+    """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
+
+    The data are token streams (random windows of train.seq_len) or packed instruct rows (epochs
+    over the rows, response-only loss, segment-masked attention, an extra validation at step 0 and
+    at the end of every epoch). With a `plan`, checkpoints every `train.checkpoint_every` steps
+    and at the end, and continues from `plan.resume` if set.
+    """
+    check_batches(model, train_data, val_data, tcfg, optim)
+    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan)
+    if run.rows and run.state.initial_val_loss is None:  # the base model's held-out loss, before any step
+        run.state.initial_val_loss = run.validate()
+        run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
+    start = run.state.step
+    show = progress and run.info.is_main
+    bar = tqdm(total=tcfg.steps, initial=start, desc="train", disable=not show, dynamic_ncols=True)
+    with stop_on_signals() as asked:
+        for step in range(start, tcfg.steps):
+            row, epoch_end = run.step(step)
+            run.record(step, row, epoch_end)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
+            stop = dist.any_rank(bool(asked), run.info, run.device)
+            run.checkpoint_if_due(stop)
+            if stop:
+                bar.close()
+                raise interrupted(asked.get("signum", signal.SIGTERM), run.state.step, run.last_checkpoint)
+    bar.close()
+    return run.result(start), run.session.opt
+
+
+class _Run:
+    """One call of `train`: the process set up, the session, the sampler and the loop state."""
+
+    def __init__(self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None):
+        self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
+        self.device = _prepare(model, tcfg, seed, plan)
+        self.session = Session(model, tcfg, optim, self.device)
+        self.info = self.session.info
+        self.sampler = make_sampler(train_data, tcfg, seed)
+        self.rows = is_rows(train_data)
+        self.tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
+        resume = None if plan is None else plan.resume
+        self.state = LoopState() if resume is None else restore(resume, self.session, self.sampler)
+        if resume is None and plan is not None and tcfg.resume == "never" and self.info.is_main:
+            ckpt.remove_newer(plan.root, 0)
+        self.last_checkpoint = None if resume is None else str(resume.path)
+        self.started = time.perf_counter()
+
+    def log(self, row: dict[str, float], step: int) -> None:
+        if self.info.is_main:
+            self.hooks.log(row, step)
+
+    def validate(self) -> float:
+        return validation_loss(
+            self.session.eval_module, self.val_data, self.tcfg.seq_len, self.tcfg.batch_size, self.device
+        )
+
+    def step(self, step: int) -> tuple[dict[str, float], bool]:
+        """One optimizer step on this step's (accumulated) batches; its log row, and whether an epoch ended."""
+        t0 = time.perf_counter()
+        opt, params = self.session.opt, self.session.params
+        lr = lr_at(step, self.optim, self.tcfg.steps)
+        set_lr(opt, lr)
+        epoch_before = int(self.sampler.epoch) if self.rows else 0
+        batches = [tuple(dist.shard_rows(t, self.info) for t in self.sampler()) for _ in range(self.tcfg.grad_accum)]
+        if self.optim.name == "lbfgs":
+            loss, grad_norm = lbfgs_step(opt, lambda: self._forward_backward(batches), params, self.optim.grad_clip)
+        else:
+            loss = float(self._forward_backward(batches))
+            grad_norm = clip_gradients(params, self.optim.grad_clip)
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            if not self.tcfg.skip_nonfinite or self.optim.name == "lbfgs":
+                raise NonFiniteError(nonfinite_message(step + 1, loss, grad_norm, self.last_checkpoint, self.optim))
+            self.state.skipped_steps += 1
+        row = {"train_loss": loss, "lr": lr, "grad_norm": grad_norm}
+        row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
+        if self.tcfg.skip_nonfinite:
+            row["skipped_steps"] = float(self.state.skipped_steps)
+        if not self.rows:
+            return row, False
+        row["epoch"] = self.sampler.epoch
+        self.state.epoch_losses.append(loss)
+        return row, int(self.sampler.epoch) > epoch_before
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):
+                loss = self.session.module(*(t.to(self.device, non_blocking=True) for t in batch))
+            (loss / len(batches)).backward()
+            total += loss.detach().float()
+        return dist.mean_across(total / len(batches), self.info)
+
+    def record(self, step: int, row: dict[str, float], epoch_end: bool) -> None:
+        """Validation when due, per-epoch perplexity, the log and the history row of step `step`."""
+        done = self.state.step = step + 1
+        if done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end:
+            row["val_loss"] = self.validate()
+            row["val_ppl"] = math.exp(row["val_loss"])
+        if epoch_end:  # perplexity per epoch: the epoch's mean train loss and the val loss at its end
+            losses = self.state.epoch_losses
+            row["epoch_train_ppl"] = math.exp(sum(losses) / len(losses))
+            row["epoch_val_ppl"] = row["val_ppl"]
+            self.state.epoch_losses = []
+        if done % self.tcfg.log_every == 0 or "val_loss" in row or step == 0 or epoch_end:
+            self.log(row, done)
+            self.state.history.append({"step": done, **row})
+
+    def checkpoint_if_due(self, stop: bool) -> None:
+        plan, done = self.plan, self.state.step
+        if plan is None or not (stop or done == self.tcfg.steps or (plan.every > 0 and done % plan.every == 0)):
+            return
+        self.hooks.flush()
+        path = save_checkpoint(
+            plan, replace(self.state, seconds=self.seconds()), self.session, self.sampler, self.hooks.run_id
+        )
+        self.last_checkpoint = None if path is None else str(path)
+
+    def seconds(self) -> float:
+        return self.state.seconds + time.perf_counter() - self.started
+
+    def result(self, resumed_from: int) -> TrainResult:
+        weights, optimizer_state = self.session.snapshot()
+        history = self.state.history
+        main = self.info.is_main
+        return TrainResult(
+            steps=self.tcfg.steps,
+            tokens_seen=self.tokens_per_step * self.tcfg.steps,
+            final_train_loss=history[-1]["train_loss"] if history else float("nan"),
+            final_val_loss=history[-1]["val_loss"],
+            seconds=self.seconds(),
+            history=history,
+            resumed_from=resumed_from,
+            skipped_steps=self.state.skipped_steps,
+            checkpoint=self.last_checkpoint,
+            weights=weights if main else None,
+            optimizer_state=optimizer_state if main else None,
+            initial_val_loss=self.state.initial_val_loss,
+        )
+
+
+def _prepare(model: nn.Module, tcfg: TrainConfig, seed: int, plan: CheckpointPlan | None) -> torch.device:
+    """This process's device, threads, allocator and seed; the model (resumed weights loaded) on it."""
+    if tcfg.threads > 0:
+        torch.set_num_threads(tcfg.threads)
+    info = dist.env_info()
+    device = dist.rank_device(pick_device(tcfg.device), info)
+    dist.setup(device)
+    if device.type == "cpu":
+        keep_freed_memory()
+    torch.manual_seed(seed)
+    resume = None if plan is None else plan.resume
+    dist.check_same(0 if resume is None else resume.step, "the step training resumes at", info, device)
+    if resume is not None:
+        load_weights(resume, model)
+    model.to(device).train()
+    if tcfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if tcfg.compile:
+        compile_blocks(model)
+    return device

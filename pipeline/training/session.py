@@ -1,0 +1,110 @@
+"""One training process's model as the loop drives it: wrapped for DDP/FSDP, its optimizer, and
+full snapshots of both (a collective under FSDP) for checkpoints and outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.training import distributed as dist
+from pipeline.training.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state
+
+
+class Forward(nn.Module):
+    """One module whose forward is the training loss (or logits without targets), so that DDP's and
+    FSDP's forward hooks wrap exactly what a step runs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *extra: torch.Tensor) -> torch.Tensor:
+        """`extra`: what else the batch holds for the loss (instruct rows: segment ids)."""
+        return self.model(idx) if targets is None else self.model.loss(idx, targets, *extra)
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that train (all of them, or a LoRA run's adapters)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Session:
+    """The model, its DDP/FSDP wrapper and optimizer in one process; snapshots hold only what trains
+    (a frozen base, as in LoRA, is re-read from its file)."""
+
+    def __init__(self, model: nn.Module, tcfg: TrainConfig, optim: OptimConfig, device: torch.device):
+        self.model, self.device = model, device
+        self.info = dist.env_info()
+        self.fsdp = self.info.enabled and tcfg.parallel == "fsdp"
+        self.module = dist.wrap(Forward(model), tcfg.parallel, self.info, device)
+        self.opt = make_optimizer(self.module, optim)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.eval_module = self.module if self.fsdp else model
+        trainable = trainable_names(model)
+        self.keep = None if len(trainable) == len(self.names) else trainable
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full weights and name-keyed optimizer state on CPU (a collective under FSDP)."""
+        if not self.fsdp:
+            weights = {k: v.detach().cpu().contiguous() for k, v in self._kept(self.model.state_dict()).items()}
+            return weights, named_optimizer_state(self.opt, self.names)
+        # FSDP only, and 0.6 s to import: not at module top
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = self._kept(_strip(get_model_state_dict(self.module, options=opts)))
+        osd = get_optimizer_state_dict(self.module, self.opt, options=opts)
+        if osd:
+            osd = {
+                "state": _strip(osd["state"]),
+                "param_groups": [{**g, "params": [_unprefix(n) for n in g["params"]]} for g in osd["param_groups"]],
+            }
+        return weights, osd
+
+    def _kept(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state if self.keep is None else {k: v for k, v in state.items() if k in self.keep}
+
+    def load_optimizer(self, named: dict[str, Any]) -> None:
+        if not self.fsdp:
+            load_named_optimizer_state(self.opt, named, self.names)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        prefixed = {
+            "state": {f"model.{k}": v for k, v in named["state"].items()},
+            "param_groups": [{**g, "params": [f"model.{n}" for n in g["params"]]} for g in named["param_groups"]],
+        }
+        set_optimizer_state_dict(self.module, self.opt, prefixed, options=StateDictOptions(full_state_dict=True))
+
+    @contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Gradient all-reduce only on the last micro-batch of an accumulated step."""
+        if not self.info.enabled or enabled:
+            yield
+        elif self.fsdp:
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+        else:
+            with self.module.no_sync():
+                yield
+
+
+def _unprefix(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def _strip(d: dict[str, Any]) -> dict[str, Any]:
+    return {_unprefix(k): v for k, v in d.items()}

@@ -1,0 +1,57 @@
+"""The deterministic fp32 validation loss the train stage reports and the evaluate stage
+reproduces from the exported GGUF (to 1e-3): no sampling, no autocast, the whole split."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.data.packed import Packed, is_rows
+from pipeline.models.losses import IGNORE_INDEX
+
+
+def validation_loss(
+    model: nn.Module, data: np.ndarray | Packed, seq_len: int, batch_size: int, device: torch.device
+) -> float:
+    """Every window of `seq_len` of a token stream, or every labelled (response) position of packed rows."""
+    if is_rows(data):
+        return response_nll(model, data, batch_size, device)
+    return evaluate_loss(model, data, seq_len, batch_size, device)
+
+
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device) -> float:
+    """Token-weighted mean NLL over consecutive non-overlapping windows of the whole split, fp32."""
+    was_training = model.training
+    model.eval()
+    n = (len(data) - 1) // seq_len
+    tokens = np.asarray(data[: n * seq_len + 1], dtype=np.int64)
+    x_all = torch.from_numpy(tokens[:-1].reshape(n, seq_len))
+    y_all = torch.from_numpy(tokens[1:].reshape(n, seq_len))
+    total, count = 0.0, 0
+    for i in range(0, n, batch_size):
+        x, y = x_all[i : i + batch_size].to(device), y_all[i : i + batch_size].to(device)
+        logits = model(x).float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
+
+
+@torch.no_grad()
+def response_nll(model: nn.Module, packed: Packed, batch_size: int, device: torch.device) -> float:
+    """Token-weighted mean NLL of every labelled (response) position of packed rows, fp32."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(packed.input_ids), batch_size):
+        x = torch.from_numpy(packed.input_ids[i : i + batch_size]).to(device)
+        y = torch.from_numpy(packed.labels[i : i + batch_size]).to(device)
+        seg = torch.from_numpy(packed.segment_ids[i : i + batch_size].astype(np.int64)).to(device)
+        n = int((y != IGNORE_INDEX).sum())
+        if n:
+            total += float(model.loss(x, y, seg)) * n
+            count += n
+    model.train(was_training)
+    return total / max(count, 1)

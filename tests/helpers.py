@@ -1,0 +1,48 @@
+"""Reference implementations and glue that only the tests need (the library does not carry them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config import ModelConfig
+from pipeline.finetune.lora import lora_layers
+from pipeline.gguf.reader import GGUFFile
+from pipeline.models.base import TransformerConfig
+from pipeline.models.losses import IGNORE_INDEX
+
+
+def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
+    return TransformerConfig.from_hparams(mcfg, vocab_size, donor_dim)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL over positions whose label is not -100 (fp32 softmax): the plain reference."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' A and B, found by walking the wrapped layers (independently of requires_grad)."""
+    return [p for m in lora_layers(model).values() for p in (m.lora_A, m.lora_B)]
+
+
+def tokenizer_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    """All `tokenizer.*` keys of a GGUF as plain values (lists copied)."""
+    return {k: (list(v) if isinstance(v, list) else v) for k, v in gguf.metadata.items() if k.startswith("tokenizer.")}
+
+
+def transformers_overrides(cfg: TransformerConfig) -> dict[str, int]:
+    """Config kwargs transformers needs beside `gguf_file=` to load our gpt2 GGUF ({} for GPT-2 sizes).
+
+    transformers 5's GGUF loader maps `gpt2.context_length` to `n_ctx` and `feed_forward_length`
+    to a key GPT2Config ignores, so it always builds 1024 positions and a 4*d_model MLP.
+    """
+    out = {}
+    if cfg.context_length != 1024:
+        out["n_positions"] = cfg.context_length
+    if cfg.d_ff != 4 * cfg.d_model:
+        out["n_inner"] = cfg.d_ff
+    return out

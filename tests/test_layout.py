@@ -1,0 +1,92 @@
+"""The house: dvc.yaml's per-stage code deps follow the imports, so editing a module re-runs every
+stage that uses it (and only those). On failure the message gives the list to paste."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import ROOT
+
+PACKAGES = ("pipeline", "stages")
+
+
+def _module_file(name: str) -> Path | None:
+    base = ROOT.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    """Our modules `path` imports anywhere in it, parents packages included (Python runs their __init__)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] in PACKAGES:
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+def closure(module: str) -> set[Path]:
+    """Every file of ours that importing `module` executes."""
+    seen: set[Path] = set()
+    todo = [module, *(".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1))]
+    while todo:
+        path = _module_file(todo.pop())
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        todo.extend(_imports(path))
+    return seen
+
+
+def expected_deps(files: set[Path]) -> list[str]:
+    """The files as dvc.yaml lists them: a package folder whose every module is used stands for them."""
+    out: list[str] = []
+    folders = sorted({f.parent for f in files if f.parent != ROOT / "pipeline" and f.parent != ROOT / "stages"})
+    whole = {d for d in folders if set(d.glob("*.py")) <= files}
+    for f in sorted(files):
+        if f.parent in whole:
+            continue
+        out.append(str(f.relative_to(ROOT)))
+    return sorted(out + [str(d.relative_to(ROOT)) for d in whole])
+
+
+def test_stage_deps_are_exactly_the_code_each_stage_runs() -> None:
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    wrong = {}
+    for name, stage in stages.items():
+        module = stage["cmd"].split("-m ", 1)[1].split()[0]
+        want = expected_deps(closure(module))
+        listed = sorted(d for d in stage["deps"] if d.split("/")[0] in PACKAGES)
+        if listed != want:
+            wrong[name] = want
+    assert not wrong, "dvc.yaml code deps are stale; use:\n" + yaml.safe_dump(wrong)
+
+
+def test_the_library_imports_no_orchestration_packages() -> None:
+    """pipeline/ never imports hydra, omegaconf or dvc; only pipeline.tracking imports mlflow."""
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in (ROOT / "pipeline").rglob("*.py")
+    )
+    library = [m for m in modules if m != "pipeline.tracking"]
+    code = (
+        f"import sys, importlib\nfor m in {library!r}: importlib.import_module(m)\n"
+        "bad = [m for m in ('hydra', 'omegaconf', 'dvc', 'mlflow') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
