@@ -12,10 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
 from pipeline.files import flatten
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
@@ -48,6 +44,8 @@ class Run:
         return self.info.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param  # mlflow takes over a second to import: only when a run is open
+
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):
             self._client.log_batch(self.run_id, params=items[i : i + 100])
@@ -58,6 +56,8 @@ class Run:
                 self._client.set_tag(self.run_id, k, str(v))
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
         ts = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
         if len(self._buffer) >= self.FLUSH_AT:
@@ -80,6 +80,8 @@ class Tracker:
     """Creates runs in one experiment of one store."""
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_root: Path | None = None):
+        from mlflow.tracking import MlflowClient  # heavy: imported only when tracking is on
+
         self.tracking_uri = tracking_uri
         self._client = MlflowClient(tracking_uri=tracking_uri)
         exp = self._client.get_experiment_by_name(experiment)
@@ -98,6 +100,8 @@ class Tracker:
 
     def exists(self, run_id: str) -> bool:
         """Whether `run_id` is a run of this store (a checkpoint may come from another store)."""
+        from mlflow.exceptions import MlflowException
+
         try:
             self._client.get_run(run_id)
         except MlflowException:

@@ -180,6 +180,17 @@ class DecoderLM(nn.Module):
     head: nn.Linear | None
     RESIDUAL_PROJECTIONS: tuple[str, ...] = ()  # parameter name endings initialised at std/sqrt(2*n_layer)
 
+    def _token_table(self, cfg: TransformerConfig) -> None:
+        """The token table (donor-width when a lens projects it) and the lens: the first parameters."""
+        self.cfg = cfg
+        self.tok_embd = nn.Embedding(cfg.vocab_size, cfg.donor_dim or cfg.d_model)
+        self.lens = nn.Linear(cfg.donor_dim, cfg.d_model, bias=False) if cfg.donor_dim else None
+
+    def _output(self, cfg: TransformerConfig, norm: nn.Module) -> None:
+        """The final norm and an untied head: the last parameters."""
+        self.norm = norm
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
     def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
         """Input of the first block for tokens at positions start.. (and the RoPE tables, if any)."""
         raise NotImplementedError

@@ -60,9 +60,7 @@ class GPT2(DecoderLM):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.cfg = cfg
-        self.tok_embd = nn.Embedding(cfg.vocab_size, cfg.donor_dim or cfg.d_model)
-        self.lens = nn.Linear(cfg.donor_dim, cfg.d_model, bias=False) if cfg.donor_dim else None
+        self._token_table(cfg)
         self.pos_embd = nn.Embedding(cfg.context_length, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(
@@ -73,8 +71,7 @@ class GPT2(DecoderLM):
             )
             for _ in range(cfg.n_layer)
         )
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._output(cfg, nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps))
 
     def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
         """Token plus position vectors; packed examples (segment ids) each start at position 0."""

@@ -99,17 +99,14 @@ class Llama(DecoderLM):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.cfg = cfg
-        self.tok_embd = nn.Embedding(cfg.vocab_size, cfg.donor_dim or cfg.d_model)
-        self.lens = nn.Linear(cfg.donor_dim, cfg.d_model, bias=False) if cfg.donor_dim else None
+        self._token_table(cfg)
         self.blocks = nn.ModuleList(
             Block(
                 RMSNorm(cfg.d_model, cfg.norm_eps), Attention(cfg), RMSNorm(cfg.d_model, cfg.norm_eps), FeedForward(cfg)
             )
             for _ in range(cfg.n_layer)
         )
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._output(cfg, RMSNorm(cfg.d_model, cfg.norm_eps))
 
     def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
         """Token vectors and the RoPE tables of positions start..; RoPE scores depend only on
