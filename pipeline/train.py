@@ -42,9 +42,8 @@ def run_train(
         )
     hooks = hooks or Hooks()
     try:
-        result, _ = train(
-            model, load_data(packed_dir, "train"), load_data(packed_dir, "val"), tcfg, optim, seed, hooks, plan
-        )
+        data = load_data(packed_dir, "train"), load_data(packed_dir, "val")
+        result, _ = train(model, *data, tcfg, optim, seed, hooks, plan, progress=hooks.progress)
     finally:
         dist.teardown(dist.env_info())
     if result.weights is None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import subprocess
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -28,7 +30,10 @@ from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.files import fingerprint, write_json, write_text
 from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.tracking import Run, Tracker, default_tracking_uri
+from pipeline.tracking import Run, project_root
+from stages import output
+from stages.overrides import check_overrides
+from stages.runs import open_run
 
 CONFIG_PATH = "../conf"
 T = TypeVar("T")
@@ -40,6 +45,14 @@ class Paths:
     """Where each stage's outputs live, relative to the project root (DVC's working directory)."""
 
     root: Path
+
+    @classmethod
+    def here(cls) -> Paths:
+        return cls(Path.cwd().resolve())
+
+    @property
+    def inputs(self) -> Path:
+        return self.root / "data" / "inputs"
 
     @property
     def packed(self) -> Path:
@@ -119,6 +132,37 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def entry(main: Callable[[], Any]) -> None:
+    """Run a `@hydra.main` function so that Hydra's own refusals (an unknown key, an unknown group
+    option, override syntax) end like ours: one `error:` line and exit 2, not Hydra's multi-line
+    report and exit 1. Bugs still raise with their traceback."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra re-raises instead of printing and exiting 1
+    try:
+        main()
+    except HydraException as e:
+        fail(hydra_message(e))
+
+
+def hydra_message(e: HydraException) -> str:
+    """Hydra's message on one line: the key, what was expected (the choices of a group), the fix."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    found = lines[0] if lines else type(e).__name__
+    cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None and str(e.__cause__) else ""
+    key = re.search(r"override '([^']+)'|find '([^']+)'", found)
+    name = next((g for g in key.groups() if g), "") if key else ""
+    if isinstance(e, MissingConfigException) and e.options:
+        group = name.split("/")[0]
+        return f"config group {group}: expected one of {', '.join(e.options)}, found {name}; fix: pick one of them"
+    if "not in struct" in cause:
+        return (
+            f"config key {name}: expected a key of the config, found none of that name; fix: check its spelling "
+            "(`python -m stages.compose` prints every key)"
+        )
+    where = f"config override '{e.override}'" if isinstance(e, OverrideParseException) else "config override"
+    detail = f"{found} ({cause})" if cause else found
+    return f"{where}: {detail}; fix: quote values with spaces, commas or brackets"
+
+
 def typed_config(cfg: DictConfig) -> PipelineConfig:
     """Merge into the schema (types, unknown keys) and build the dataclasses (value checks)."""
     return structured_config(PipelineConfig, cfg)
@@ -146,23 +190,12 @@ def config_hash(resolved: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def git_commit(root: Path) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _hydra_job() -> tuple[bool, Path | None, str | None]:
-    """(is multirun, this job's output dir, sweep dir) from Hydra's runtime config."""
-    if not HydraConfig.initialized():
-        return False, None, None
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    return multirun, Path(hc.runtime.output_dir), str(Path(hc.sweep.dir).resolve()) if multirun else None
+def _outputs(stage: str, paths: Paths) -> tuple[Path, Path, Path]:
+    """(output dir, metrics file, plots dir): the DVC paths, or a sweep job's own Hydra job dir."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        job_dir = Path(HydraConfig.get().runtime.output_dir)
+        return job_dir / stage, job_dir / "metrics.json", job_dir / "plots"
+    return paths.stage_out(stage), paths.metrics(stage), paths.plots(stage)
 
 
 def run_stage(
@@ -170,76 +203,72 @@ def run_stage(
     cfg: DictConfig,
     body: Callable[[StageContext], dict[str, float]],
     resume_run: Callable[[PipelineConfig, Paths], str | None] | None = None,
+    lineage: Callable[[PipelineConfig, Paths], dict[str, str]] | None = None,
 ) -> dict[str, float]:
     """Validate config, open the MLflow run, run `body`, write metrics; exit 2 on user errors.
 
-    `resume_run` may name an existing MLflow run to reopen instead of starting one (a training
-    run resumed from a checkpoint keeps logging to its run). Under torchrun only rank 0 tracks
-    and writes metrics.
+    `lineage` checks the config against what the stage's inputs were made with, before any run
+    opens, and returns tags for the run. `resume_run` may name an existing MLflow run to reopen
+    instead of starting one (a training run resumed from a checkpoint keeps logging to its run).
+    Under torchrun only rank 0 tracks and writes metrics.
     """
     primary = int(os.environ.get("RANK", "0")) == 0
     try:
         typed = typed_config(cfg)
+        output.configure(typed.output)
+        check_overrides(stage, cfg)
     except PipelineError as e:
         fail(str(e))
     resolved = OmegaConf.to_container(cfg, resolve=True)
     paths = Paths(Path.cwd().resolve())
-    multirun, job_dir, sweep_dir = _hydra_job()
-    if multirun:  # a sweep job keeps its outputs in its own Hydra job dir, not the DVC paths
-        out_dir, metrics_path, plots_dir = job_dir / stage, job_dir / "metrics.json", job_dir / "plots"
-    else:
-        out_dir, metrics_path, plots_dir = paths.stage_out(stage), paths.metrics(stage), paths.plots(stage)
+    out_dir, metrics_path, plots_dir = _outputs(stage, paths)
     try:
+        tags = lineage(typed, paths) if lineage is not None else {}
         resume_id = resume_run(typed, paths) if resume_run is not None else None
     except PipelineError as e:
         fail(str(e))
-    run = _open_run(stage, typed, resolved, paths, sweep_dir, resume_id) if primary else None
+    run, parent = (None, None)
+    if primary:
+        run, parent = open_run(stage, typed, resolved, project_root(paths.root), config_hash(resolved), resume_id)
+    if run is not None:
+        run.set_tags(tags)
     ctx = StageContext(stage, typed, resolved, paths, out_dir, metrics_path, plots_dir, run)
+    status = "FAILED"
     try:
         metrics = body(ctx)
         if primary:
             write_json(metrics_path, metrics)
+            output.emit_json(typed.output, stage, metrics, ctx.run_id)
         if run is not None:
-            run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
-            config_file = write_text(out_dir.parent / f".{stage}-config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-            run.log_artifact(config_file)
-            config_file.unlink(missing_ok=True)
-            run.log_artifact(metrics_path)
-            run.end("FINISHED")
+            _finish(run, stage, cfg, metrics, metrics_path, out_dir)
+        status = "FINISHED"
     except PipelineError as e:
+        status = getattr(e, "mlflow_status", "FAILED")
         if run is not None:
             run.set_tags({"error": str(e)})
-            run.end(getattr(e, "mlflow_status", "FAILED"))
+            run.end(status)
         fail(str(e), getattr(e, "exit_code", 2))
     except BaseException:
+        status = "KILLED" if not isinstance(sys.exc_info()[1], Exception) else "FAILED"
         if run is not None:
-            run.end("KILLED" if not isinstance(sys.exc_info()[1], Exception) else "FAILED")
+            run.end(status)
         raise
+    finally:
+        if parent is not None:
+            parent.end(status)
     return metrics
 
 
-def _open_run(
-    stage: str, cfg: PipelineConfig, resolved: dict, paths: Paths, sweep_dir: str | None, resume_id: str | None = None
-) -> Run | None:
-    if not cfg.tracking.enabled:
-        return None
-    tracker = Tracker(default_tracking_uri(paths.root), cfg.tracking.experiment, paths.root / "mlartifacts")
-    if resume_id is not None and tracker.exists(resume_id):
-        run = tracker.resume(resume_id)  # params were logged when it started
-        run.set_tags({"resumed": "true"})
-        return run
-    tags = {
-        "stage": stage,
-        "recipe": cfg.recipe.name,
-        "git_commit": git_commit(paths.root),
-        "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
-        "config_hash": config_hash(resolved),
-    }
-    parent = None
-    if sweep_dir is not None:
-        sweep_id = hashlib.sha256(sweep_dir.encode()).hexdigest()[:12]
-        tags["sweep_id"] = sweep_id
-        parent = tracker.sweep_parent(sweep_id, f"sweep-{stage}-{sweep_id}", {"stage": stage, "sweep_dir": sweep_dir})
-    run = tracker.start(stage, tags, parent_run_id=parent)
-    run.log_params(resolved)
-    return run
+def _finish(run: Run, stage: str, cfg: DictConfig, metrics: dict, metrics_path: Path, out_dir: Path) -> None:
+    """The stage's summary metrics, resolved config, metrics file and log file; then FINISHED."""
+    run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
+    config_file = write_text(out_dir.parent / f".{stage}-config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    run.log_artifact(config_file)
+    config_file.unlink(missing_ok=True)
+    run.log_artifact(metrics_path)
+    logfile = output.log_file()
+    if logfile and Path(logfile).is_file():
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        run.log_artifact(Path(logfile), "logs")
+    run.end("FINISHED")

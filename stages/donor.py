@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.data.packed import load_meta
 from pipeline.donor import run_donor
 from pipeline.files import write_text
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
@@ -31,7 +35,10 @@ def body(ctx: StageContext) -> dict[str, float]:
     plot = write_text(ctx.plots_dir / "explained_variance.tsv", "\n".join(rows) + "\n")
     ctx.artifact(plot)
     explained = metrics["explained_variance_total"]
-    print(f"donor: {int(metrics['components'])} components explain {explained:.3f} of the variance")
+    if metrics["components"]:
+        log.info(f"donor: {int(metrics['components'])} components explain {explained:.3f} of the variance")
+    else:
+        log.info(f"donor: no PCA for recipe.init={ctx.cfg.recipe.init}; the donor's vocabulary matches the packed data")
     return metrics
 
 
@@ -41,4 +48,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

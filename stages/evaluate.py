@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.evaluate import run_evaluate
 from pipeline.files import atomic_dir
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from pipeline.lineage import check_packed
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
@@ -19,18 +23,21 @@ def body(ctx: StageContext) -> dict[str, float]:
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")
-    print(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
+    log.info(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
     if "base_val_loss" in metrics:
-        print(f"evaluate: held-out response NLL base {metrics['base_val_loss']:.4f} -> tuned {metrics['val_loss']:.4f}")
+        log.info(
+            f"evaluate: held-out response NLL base {metrics['base_val_loss']:.4f} -> tuned {metrics['val_loss']:.4f}"
+        )
     for s in samples:
-        print(f"  {s['prompt']!r} -> {s.get('greedy', s.get('tuned'))!r}")
+        log.info(f"  {s['prompt']!r} -> {s.get('greedy', s.get('tuned'))!r}")
     return metrics
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
-def main(cfg: DictConfig) -> None:
-    run_stage("evaluate", cfg, body)
+def main(cfg: DictConfig) -> float | None:
+    lineage = lambda typed, paths: check_packed(typed, paths.packed)  # noqa: E731 - the data it scores
+    return run_stage("evaluate", cfg, body, lineage=lineage).get("val_loss")
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -3,12 +3,16 @@ LoRA/QLoRA fine-tune also the adapter as a llama.cpp LoRA GGUF and as a PEFT dir
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.export import run_export
 from pipeline.modeldir import read_train_state, weight_files
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, run_stage
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
@@ -27,7 +31,7 @@ def body(ctx: StageContext) -> dict[str, float]:
     }
     metrics = run_export(train_dir, ctx.donor, ctx.out_dir, cfg.export.dtype, provenance, cfg.recipe.lora.dropout)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
-    print(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")
+    log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")
     return metrics
 
 
@@ -37,4 +41,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

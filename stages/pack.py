@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.pack import run_pack
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
@@ -16,7 +20,7 @@ def body(ctx: StageContext) -> dict[str, float]:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")
     kind = "examples" if meta.format == "instruct" else "documents"
-    print(
+    log.info(
         f"pack: {sum(meta.documents.values())} {kind}, {int(metrics['tokens'])} tokens "
         f"(train {meta.tokens['train']}, val {meta.tokens['val']}) -> {ctx.out_dir}"
     )
@@ -29,4 +33,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -3,11 +3,15 @@ fine-tuning recipe (recipe.init=base), load the base GGUF at donor.path and atta
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 from omegaconf import DictConfig
 
 from pipeline.realize import run_realize
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
@@ -19,12 +23,12 @@ def body(ctx: StageContext) -> dict[str, float]:
         ctx.add_input("pca", ctx.paths.donor / "pca.safetensors")
     metrics = run_realize(cfg.recipe, cfg.model, cfg.seed, ctx.donor, ctx.paths.packed, ctx.paths.donor, ctx.out_dir)
     if cfg.recipe.finetune:
-        print(
+        log.info(
             f"realize: {cfg.recipe.name} on {ctx.donor.name}, {int(metrics['trainable_parameters'])} of "
             f"{int(metrics['parameters'])} parameters train -> {ctx.out_dir}"
         )
     else:
-        print(f"realize: init={cfg.recipe.init}, {int(metrics['parameters'])} parameters -> {ctx.out_dir}")
+        log.info(f"realize: init={cfg.recipe.init}, {int(metrics['parameters'])} parameters -> {ctx.out_dir}")
     return metrics
 
 
@@ -34,4 +38,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

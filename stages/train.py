@@ -8,6 +8,7 @@ alone tracks and writes.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -16,12 +17,15 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.files import write_text
+from pipeline.lineage import check_init, check_packed
 from pipeline.modeldir import weight_files
 from pipeline.train import run_train
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
-from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, run_stage
+from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, entry, run_stage
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
@@ -36,15 +40,15 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         ctx.add_input("init" if path.name == "model.safetensors" else f"init_{path.stem}", path)
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if plan.resume is not None and is_main_process():
-        print(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
-    hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
+        log.info(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
+    hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text")
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
     result = run_train(ctx.paths.init, ctx.paths.packed, ctx.out_dir, cfg.train, cfg.optim, cfg.seed, hooks, plan)
     if not is_main_process():
         return {}
     write_plots(ctx, result)
-    print(
+    log.info(
         f"train: {result.steps} steps in {result.seconds:.0f}s, final val loss {result.final_val_loss:.4f} "
         f"(ppl {result.final_val_ppl:.2f}) -> {ctx.out_dir}"
     )
@@ -65,7 +69,7 @@ def metrics(result: TrainResult) -> dict[str, float]:
     extra = {}
     if result.initial_val_loss is not None:  # instruct rows: the held-out response loss before training
         extra = {"initial_val_loss": result.initial_val_loss, "initial_val_ppl": math.exp(result.initial_val_loss)}
-        print(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
+        log.info(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
     tps = [h["tokens_per_second"] for h in result.history[1:]] or [0.0]
     return {
         **extra,
@@ -75,22 +79,28 @@ def metrics(result: TrainResult) -> dict[str, float]:
         "steps": float(result.steps),
         "tokens_seen": float(result.tokens_seen),
         "seconds": result.seconds,
-        "tokens_per_second": sorted(tps)[len(tps) // 2],
+        "median_tokens_per_second": sorted(tps)[len(tps) // 2],  # per-step values are `tokens_per_second`
         "resumed_from": float(result.resumed_from),
         "skipped_steps": float(result.skipped_steps),
     }
 
 
+def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:
+    """The config must be what data/packed and models/init were made with."""
+    return {**check_packed(cfg, paths.packed), **check_init(cfg, paths.init)}
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     plans: list[CheckpointPlan] = []  # found before the MLflow run opens, used by the body
 
     def resume_run(typed: PipelineConfig, paths: Paths) -> str | None:
         plans.append(checkpoint_plan(typed, paths))
         return plans[0].run_id
 
-    run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
+    metrics = run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run, lineage=lineage)
+    return metrics.get("final_val_loss")  # the objective of an Optuna sweep
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -76,3 +76,25 @@ def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("error: config key optim.lr")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, start",
+    [
+        ("optim.lrr=1", "error: config key optim.lrr: expected a key of the config"),
+        ("recipe=lorra", "error: config group recipe: expected one of from-scratch, full-finetune, lora"),
+        ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2'"),
+        ("+optim.lrr=1", "error: config key optim.lrr"),
+    ],
+)
+def test_hydras_own_refusals_are_one_named_line_and_exit_2(override: str, start: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.train", override, "tracking.enabled=false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), proc.stderr
+    assert "fix:" in lines[0]

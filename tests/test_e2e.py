@@ -1,85 +1,34 @@
-"""The whole product on the real donor, in a scratch git repo: `dvc repro` of all six stages,
-a no-op second repro, `dvc exp run -S` changing only what depends on the lr, DVC metrics and
-plots, MLflow runs per stage, a Hydra multirun sweep grouped under a parent run, and (last: it
-changes the workspace) `dvc exp run -S preset=lora`, LoRA on the real SmolLM2 through every stage.
+"""The whole product on the real donor, in a scratch git repo: `dvc repro` of every stage, a no-op
+second repro, `dvc exp run -S` changing only what depends on the lr, DVC metrics and plots, MLflow
+runs grouped per pipeline execution and per sweep (basic, Optuna, parallel joblib), single-stage
+overrides of keys the stage does not read refused, a queue of experiments that logs into the
+project's own store and shows in `dvc exp show`, an in-place corpus edit re-running pack, and (last:
+it changes the workspace) `dvc exp run -S preset=lora`, LoRA on the real SmolLM2 through every stage.
 
-Slow (about two minutes) and the only proof of these features, so it runs in CI.
+Slow (about four minutes) and the only proof of these features, so it runs in CI.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.conftest import ROOT
+from tests.scratch import make_project, mlflow_runs, ran, run, sh
 
 pytestmark = pytest.mark.slow
-
-TINY_MODEL = """arch: llama
-d_model: 32
-n_layer: 1
-n_head: 2
-n_kv_head: 1
-d_ff: 64
-context_length: 64
-rope_theta: 10000.0
-norm_eps: 1.0e-05
-tie_embeddings: true
-init_std: 0.02
-"""
-TINY_TRAIN = """steps: 6
-batch_size: 4
-seq_len: 32
-grad_accum: 1
-precision: bf16
-eval_every: 3
-log_every: 1
-device: cpu
-threads: 0
-"""
-
-
-def sh(cwd: Path, *args: str, timeout: int = 600, stderr: bool = True) -> str:
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}",
-    }
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + (proc.stderr if stderr else "")
-
-
-def ran(output: str) -> list[str]:
-    return re.findall(r"Running stage '(\w+)'", output)
+STAGES = ("pack", "donor", "realize", "train", "export", "evaluate")
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A copy of this repo with a tiny model and a few training steps, committed to git."""
-    dst = tmp_path_factory.mktemp("project")
-    for name in ("conf", "stages", "pipeline", ".dvc"):
-        shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
-    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
-        shutil.copy(ROOT / name, dst / name)
-    (dst / "conf" / "model" / "llama-tiny.yaml").write_text(TINY_MODEL)
-    (dst / "conf" / "train" / "default.yaml").write_text(TINY_TRAIN)
-    (dst / "params.yaml").write_text(sh(dst, sys.executable, "-m", "stages.compose", stderr=False))
-    sh(dst, "git", "init", "-q")
-    sh(dst, "git", "add", "-A")
-    sh(dst, "git", "commit", "-qm", "init")
-    return dst
+    return make_project(tmp_path_factory.mktemp("project"))
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +36,8 @@ def first_repro(project: Path) -> str:
     return sh(project, "dvc", "repro")
 
 
-def mlflow_runs(project: Path):
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("smollm-pipeline")
-    return client, client.search_runs([exp.experiment_id], max_results=1000)
-
-
 def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
-    assert ran(first_repro) == ["pack", "donor", "realize", "train", "export", "evaluate"]
+    assert ran(first_repro) == ["inputs", "pack", "donor", "realize", "train", "export", "evaluate"]
     assert (project / "models" / "export" / "model.gguf").stat().st_size > 0
     evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
     train = json.loads((project / "metrics" / "train.json").read_text())
@@ -107,12 +48,12 @@ def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
 
 def test_second_repro_does_nothing(project: Path, first_repro: str) -> None:
     out = sh(project, "dvc", "repro")
-    assert ran(out) == []
+    assert ran(out) == ["inputs"]  # it only hashes the user's files; they did not change, so nothing else runs
 
 
 def test_mlflow_has_one_run_per_stage(project: Path, first_repro: str) -> None:
     client, runs = mlflow_runs(project)
-    by_stage = {r.data.tags["stage"]: r for r in runs}
+    by_stage = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("parent") != "true"}
     assert set(by_stage) >= {"pack", "donor", "realize", "train", "export", "evaluate"}
     train = by_stage["train"]
     assert train.info.status == "FINISHED"
@@ -138,27 +79,161 @@ def test_metrics_and_plots_show(project: Path, first_repro: str) -> None:
 
 def test_exp_run_set_param_reruns_only_downstream_of_lr(project: Path, first_repro: str) -> None:
     out = sh(project, "dvc", "exp", "run", "-S", "optim.lr=0.002")
-    assert ran(out) == ["train", "export", "evaluate"]
+    assert ran(out) == ["inputs", "train", "export", "evaluate"]
     _, runs = mlflow_runs(project)
-    latest_train = max((r for r in runs if r.data.tags["stage"] == "train"), key=lambda r: r.info.start_time)
+    latest_train = max(
+        (r for r in runs if r.data.tags.get("stage") == "train" and "parent" not in r.data.tags),
+        key=lambda r: r.info.start_time,
+    )
     assert latest_train.data.params["optim.lr"] == "0.002"
 
 
 def test_hydra_multirun_sweep_logs_grouped_runs(project: Path, first_repro: str) -> None:
     sh(project, sys.executable, "-m", "stages.train", "-m", "optim.lr=1e-3,3e-4")
     _, runs = mlflow_runs(project)
-    children = [r for r in runs if "sweep_id" in r.data.tags and r.data.tags.get("sweep_parent") != "true"]
-    parents = [r for r in runs if r.data.tags.get("sweep_parent") == "true"]
+    children = [r for r in runs if "sweep_id" in r.data.tags and r.data.tags.get("parent") != "true"]
+    parents = [r for r in runs if "sweep_id" in r.data.tags and r.data.tags.get("parent") == "true"]
     assert len(children) == 2 and len(parents) == 1
     assert {r.data.params["optim.lr"] for r in children} == {"0.001", "0.0003"}
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+
+
+def test_repro_is_one_parent_run_with_a_child_per_stage(project: Path, first_repro: str) -> None:
+    client, runs = mlflow_runs(project)
+    first = min((r for r in runs if r.data.tags.get("pipeline_id")), key=lambda r: r.info.start_time)
+    key = first.data.tags["pipeline_id"]
+    group = [r for r in runs if r.data.tags.get("pipeline_id") == key]
+    parent = next(r for r in group if r.data.tags.get("parent") == "true")
+    children = [r for r in group if r is not parent]
+    assert parent.info.run_name.startswith("repro@") and parent.data.params["optim.lr"] == "0.003"
+    assert {r.info.run_name for r in children} == {f"{parent.info.run_name}/{s}" for s in STAGES}
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    train = next(r for r in children if r.data.tags["stage"] == "train")
+    commit = sh(project, "git", "rev-parse", "HEAD", stderr=False).strip()
+    assert train.data.tags["mlflow.source.git.commit"] == commit and train.data.tags["mlflow.source.name"]
+    assert "median_tokens_per_second" in train.data.metrics and "mlflow.user" in train.data.tags
+    logs = [a.path for a in client.list_artifacts(train.info.run_id, "logs")]
+    assert logs == ["logs/train.log"]  # the stage's own output, as Hydra's job log wrote it
+    assert not (project / "outputs").exists()  # no stray Hydra folders under a DVC run
+
+
+@pytest.mark.parametrize(
+    "overrides, key, reader",
+    [
+        (["--config-dir", ".", "--config-name", "params", "model.d_model=64"], "model.d_model", "realize"),
+        (["--config-dir", ".", "--config-name", "params", "-m", "model.d_model=32,64"], "model.d_model", "realize"),
+        (["preset=lora"], "data.", "packed/meta.json"),  # group overrides compose conf/, as a hand run does
+        (["recipe=from-scratch"], "recipe.", "realize.json"),
+        (["-m", "recipe=from-scratch,warm-start"], "recipe", "realize"),
+    ],
+)
+def test_a_stage_refuses_overrides_its_inputs_contradict(
+    project: Path, first_repro: str, overrides, key, reader
+) -> None:
+    proc = run(project, sys.executable, "-m", "stages.train", *overrides)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and key in error[0] and reader in error[0] and "dvc exp run -S" in error[0], proc.stderr
+    assert "train:" not in proc.stdout  # refused before any work
+
+
+def test_output_json_is_one_object_on_stdout(project: Path, first_repro: str) -> None:
+    out = sh(
+        project,
+        sys.executable,
+        "-m",
+        "stages.export",
+        "--config-dir",
+        ".",
+        "--config-name",
+        "params",
+        "output=json",
+        stderr=False,
+    )
+    record = json.loads(out)  # exactly one JSON document, nothing else on stdout
+    assert record["stage"] == "export" and record["metrics"]["file_bytes"] > 0 and record["mlflow_run_id"]
+
+
+def test_optuna_sweep_minimises_the_train_objective_under_one_parent(project: Path, first_repro: str) -> None:
+    args = ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=minimize"]
+    args += ["hydra.sweep.dir=multirun/optuna", "optim.lr=interval(0.0005,0.01)"]
+    sh(project, sys.executable, "-m", "stages.train", *args)
+    _, runs = mlflow_runs(project)
+    sweep = str((project / "multirun" / "optuna").resolve())
+    parent = [r for r in runs if r.data.tags.get("sweep_dir") == sweep and r.data.tags.get("parent") == "true"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert len(parent) == 1 and len(children) == 3
+    best = yaml.safe_load((project / "multirun" / "optuna" / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(r.data.metrics["final_val_loss"] for r in children))
+
+
+def test_parallel_jobs_on_a_fresh_store_make_one_parent_and_lose_nothing(project: Path, first_repro: str) -> None:
+    store = project / "parallel.db"
+    args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3", "train.threads=1", "++train.resume=never"]
+    args += ["optim.lr=0.001,0.002,0.004"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{store}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.train", *args], cwd=project, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    runs = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("parent") == "true"]
+    children = [r for r in runs if r.data.tags.get("parent") != "true"]
+    assert len(parents) == 1 and len(children) == 3
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    for r in children:
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_queued_experiments_log_to_the_project_store_and_compare(project: Path, first_repro: str) -> None:
+    sh(project, "git", "add", "-A")
+    sh(project, "git", "commit", "-qm", "baseline: dvc.lock, metrics and plots")
+    sh(project, "dvc", "exp", "run", "--queue", "-S", "optim.lr=0.001,0.004", tracking_uri=False)
+    sh(project, "dvc", "exp", "run", "--run-all", timeout=900, tracking_uri=False)  # no MLFLOW_TRACKING_URI set
+    rows = json.loads(sh(project, "dvc", "exp", "show", "--json", stderr=False))
+    baseline = next(row for row in rows if row.get("experiments"))  # rows[0] is the workspace
+    exps = {rev["name"]: rev for e in baseline["experiments"] for rev in e["revs"]}
+    assert len(exps) == 2
+    for row in [baseline, *exps.values()]:  # metrics in every row, the baseline commit's included
+        assert row["data"]["metrics"]["metrics/train.json"]["data"]["final_val_loss"] > 0, row["name"]
+    lrs = {rev["data"]["params"]["params.yaml"]["data"]["optim"]["lr"] for rev in exps.values()}
+    assert lrs == {0.001, 0.004}
+    name = next(iter(exps))
+    assert "final_val_loss" in sh(project, "dvc", "metrics", "diff", "HEAD", name)
+    sh(project, "dvc", "plots", "diff", "HEAD", *exps, "-o", str(project / "plots_diff"))
+    assert (project / "plots_diff" / "index.html").is_file()
+    _, runs = mlflow_runs(project)  # the project's own mlflow.db, found through DVC_ROOT
+    for exp_name in exps:
+        parent = [r for r in runs if r.info.run_name == exp_name and r.data.tags.get("parent") == "true"]
+        assert len(parent) == 1 and parent[0].data.tags["dvc_exp_name"] == exp_name
+        children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
+        assert children == {f"{exp_name}/{s}" for s in ("train", "export", "evaluate")}
+
+
+def test_editing_the_corpus_in_place_reruns_pack(project: Path, first_repro: str) -> None:
+    corpus = project / "corpus.txt"
+    corpus.write_text("\n---\n".join(f"document {i}: " + "the model reads text. " * 60 for i in range(12)))
+    params = sh(project, sys.executable, "-m", "stages.compose", "data=text", "data.path=corpus.txt", stderr=False)
+    (project / "params.yaml").write_text(params)
+    assert ran(sh(project, "dvc", "repro", "pack")) == ["inputs", "pack"]
+    assert ran(sh(project, "dvc", "repro", "pack")) == ["inputs"]  # unchanged file: nothing re-runs
+    corpus.write_text(corpus.read_text() + "\n---\nan eleventh-hour document, edited in place")
+    assert ran(sh(project, "dvc", "repro", "pack")) == ["inputs", "pack"]
+    corpus.unlink()
+    proc = run(project, "dvc", "repro", "pack")
+    assert proc.returncode != 0 and "data.path=corpus.txt: expected an existing file" in proc.stdout + proc.stderr
+    sh(project, "git", "checkout", "params.yaml")
 
 
 def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_repro: str) -> None:
     overrides = ["preset=lora", "train.steps=2", "train.batch_size=2", "train.eval_every=2", "train.device=cpu"]
     overrides += ["train.checkpoint_every=0", "evaluate.max_new_tokens=4", "evaluate.prompts=[a]"]
     out = sh(project, "dvc", "exp", "run", *(x for o in overrides for x in ("-S", o)), timeout=1200)
-    assert ran(out) == ["pack", "donor", "realize", "train", "export", "evaluate"]
+    assert ran(out) == ["inputs", "pack", "donor", "realize", "train", "export", "evaluate"]
     params = (project / "params.yaml").read_text()
     assert "trainable: lora" in params and "source: instruct" in params
     pack = json.loads((project / "metrics" / "pack.json").read_text())
@@ -174,6 +249,9 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     adapter = read_adapter_gguf(export / "adapter.gguf")
     assert adapter.rank == 8 and adapter.targets == ("q", "v") and len(adapter.state) == 2 * 2 * 30
     _, runs = mlflow_runs(project)
-    latest = max((r for r in runs if r.data.tags["stage"] == "train"), key=lambda r: r.info.start_time)
+    latest = max(
+        (r for r in runs if r.data.tags.get("stage") == "train" and "parent" not in r.data.tags),
+        key=lambda r: r.info.start_time,
+    )
     assert latest.data.tags["recipe"] == "lora" and latest.data.params["recipe.lora.rank"] == "8"
     assert "initial_val_loss" in latest.data.metrics and "epoch" in latest.data.metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -35,6 +36,7 @@ from pipeline.models.sampling import (
     top_p_filter,
 )
 from stages.common import structured_config
+from stages.generate import with_prompt
 
 ROOT = Path(__file__).resolve().parent.parent  # not `from tests.conftest`: works under plain `pytest` too
 
@@ -390,3 +392,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, overrides: list[st
     _, stderr = proc.communicate(timeout=120)
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), stderr
+
+
+def test_free_text_prompts_come_from_a_file_or_stdin(tmp_path, monkeypatch) -> None:
+    text = 'Hello, world! "quoted" {braces} = [brackets]\nsecond line'
+    (tmp_path / "p.txt").write_text(text + "\n")
+    assert with_prompt(GenerateConfig(model_path="m", prompt_file=str(tmp_path / "p.txt"))).prompt == text
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert with_prompt(GenerateConfig(model_path="m", prompt_file="-")).prompt == text
+    with pytest.raises(PipelineError, match="prompt_file=.*nope.txt: expected a readable UTF-8 text file"):
+        with_prompt(GenerateConfig(model_path="m", prompt_file=str(tmp_path / "nope.txt")))
+    with pytest.raises(PipelineError, match="prompt / prompt_file: expected one of them, found 'both'"):
+        GenerateConfig(model_path="m", prompt="a", prompt_file="b")

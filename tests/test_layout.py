@@ -4,6 +4,7 @@ stage that uses it (and only those). On failure the message gives the list to pa
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,31 @@ def test_the_library_imports_no_orchestration_packages() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_each_stage_declares_to_dvc_exactly_the_keys_it_reads() -> None:
+    """A single-stage run refuses overrides outside STAGE_PARAMS; DVC re-runs a stage on its params."""
+    from stages.overrides import STAGE_PARAMS
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert {name: tuple(stage["params"]) for name, stage in stages.items()} == STAGE_PARAMS
+
+
+def test_dvc_lock_is_the_committed_state_of_the_code() -> None:
+    """The policy: dvc.lock is committed fresh (run `dvc repro` before committing code changes), so a
+    fresh clone's `dvc status` finds no stage whose code, command or params changed since."""
+    dvc = Path(sys.executable).parent / "dvc"
+    out = subprocess.run([str(dvc), "status", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stale = {}
+    for stage, changes in json.loads(out.stdout or "{}").items():
+        for change in changes:
+            if isinstance(change, str):  # "changed command"; "always changed" is the inputs stage's design
+                bad = None if change == "always changed" else change
+            else:
+                deps = change.get("changed deps", {})
+                bad = {p: v for p, v in deps.items() if p.split("/")[0] in PACKAGES or p == "params.yaml"}
+            if bad:
+                stale.setdefault(stage, []).append(bad)
+    stale.pop("inputs", None)  # always_changed: DVC reports it every time by design
+    assert not stale, f"dvc.lock is stale (run `dvc repro` and commit dvc.lock): {stale}"

@@ -241,6 +241,7 @@ def stage_cmd(ckpt_dir: Path, steps: int, *extra: str) -> list[str]:
         "train.threads=1",
         f"train.checkpoint_dir={ckpt_dir}",
         "optim.warmup_steps=4",
+        "data.val_fraction=0.2",  # what make_project packed with: the lineage check compares
         *extra,
     ]
 

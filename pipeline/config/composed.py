@@ -61,8 +61,10 @@ class PipelineConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output: str = "text"  # text | quiet | json (one JSON object with the stage's metrics on stdout)
 
     def __post_init__(self) -> None:
+        choice(self.output, "output", ("text", "quiet", "json"))
         if self.recipe.finetune:  # the base GGUF fixes the context length; train checks against it
             return
         length_key = "data.max_seq_len" if self.data.source == "instruct" else "train.seq_len"

@@ -15,6 +15,7 @@ class GenerateConfig:
 
     model_path: str = ""  # a GGUF, a model dir (models/init, models/train), or `smollm2`
     prompt: str = ""
+    prompt_file: str = ""  # the prompt from a file, or `-` for stdin: free text needs no Hydra quoting
     tokenizer_gguf: str = "smollm2"  # the tokenizer of a model dir (a GGUF brings its own)
     lora: str = ""  # a LoRA adapter on top (llama.cpp adapter GGUF or PEFT dir), as llama-cli --lora
     chat: bool = False  # render the prompt with the GGUF's tokenizer.chat_template
@@ -35,6 +36,13 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
+        check(
+            not (self.prompt and self.prompt_file),
+            "prompt / prompt_file",
+            "one of them",
+            "both",
+            "drop one: prompt=... for short text, prompt_file=path.txt (or - for stdin) for free text",
+        )
         positive(self.max_new_tokens, "max_new_tokens")
         at_least(self.temperature, "temperature", 0, "use 0 for greedy")
         at_least(self.top_k, "top_k", 0, "use 0 to disable top-k")

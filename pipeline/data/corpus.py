@@ -7,6 +7,7 @@ train/val split is by document.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,18 @@ def corpus_sha256(docs: list[Document]) -> str:
             h.update(len(b).to_bytes(8, "little"))
             h.update(b)
     return h.hexdigest()
+
+
+def source_files(cfg: DataConfig) -> tuple[Path | None, list[Path]]:
+    """(root, files) the configured source reads: the user's files, or the stdlib module behind
+    the built-in sources. A missing path is the same named error pack would give."""
+    if not cfg.path and cfg.source in ("pydoc", "instruct"):
+        spec = importlib.util.find_spec("pydoc_data.topics")
+        return None, [Path(spec.origin)] if spec and spec.origin else []
+    if cfg.source == "dir":
+        root = _existing(cfg.path, "directory")
+        return root, sorted(p for p in root.glob(cfg.glob) if p.is_file())
+    return None, [_existing(cfg.path, "file")]
 
 
 def _pydoc(cfg: DataConfig) -> list[Document]:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +272,7 @@ def pack_instruct(
         for name, p in packed.items():
             save_rows(p, tmp / f"{name}.npz")
         sha = hashlib.sha256(b"".join((tmp / f"{n}.jsonl").read_bytes() for n in SPLITS)).hexdigest()
-        meta = _instruct_meta(tokenizer, packed, sha, data.max_seq_len)
+        meta = _instruct_meta(tokenizer, packed, sha, data)
         write_meta(tmp, meta)
     metrics: dict[str, float] = {
         "seconds": time.perf_counter() - start,
@@ -285,7 +285,7 @@ def pack_instruct(
     return meta, metrics
 
 
-def _instruct_meta(tokenizer: GGUFTokenizer, packed: dict[str, Packed], sha: str, seq_len: int) -> PackMeta:
+def _instruct_meta(tokenizer: GGUFTokenizer, packed: dict[str, Packed], sha: str, data: DataConfig) -> PackMeta:
     ids = np.concatenate([p.input_ids[p.segment_ids > 0] for p in packed.values()])
     return PackMeta(
         vocab_size=tokenizer.vocab_size,
@@ -299,6 +299,7 @@ def _instruct_meta(tokenizer: GGUFTokenizer, packed: dict[str, Packed], sha: str
         tokens={n: p.stats["filled_positions"] for n, p in packed.items()},
         distinct_tokens=int(np.unique(ids).size),
         format="instruct",
-        seq_len=seq_len,
+        seq_len=data.max_seq_len,
         stats={n: p.stats for n, p in packed.items()},
+        data=asdict(data),
     )

@@ -38,6 +38,7 @@ class PackMeta:
     format: str = "tokens"  # tokens (train.bin/val.bin) | instruct (train.npz/val.npz rows)
     seq_len: int = 0  # instruct: row length
     stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
+    data: dict | None = None  # the data config it was packed with: what later stages check theirs against
 
 
 @dataclass

@@ -4,6 +4,7 @@ packed-data format (`pipeline.data.packed`). No document leaks from train into v
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,7 @@ def pack(docs: list[Document], tok: GGUFTokenizer, cfg: DataConfig, out_dir: Pat
         documents={name: len(splits[name]) for name in SPLITS},
         tokens={name: int(arrays[name].size) for name in SPLITS},
         distinct_tokens=distinct,
+        data=asdict(cfg),
     )
     with atomic_dir(out_dir) as tmp:
         for name in SPLITS:

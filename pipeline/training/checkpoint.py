@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,8 @@ FORMAT = 1
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^\.step-\d+\.(?:tmp|old)-(\d+)$")
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(PipelineError):
@@ -134,7 +136,7 @@ def resolve(path: Path, report: Callable[[str], None] | None = None) -> Checkpoi
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    log.warning(f"warning: {message}")
 
 
 def _fsync(path: Path) -> None:

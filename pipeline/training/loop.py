@@ -56,6 +56,7 @@ class Hooks:
     log: LogFn = _ignore
     flush: Callable[[], None] = _ignore
     run_id: str | None = None
+    progress: bool = True  # a tqdm bar on the main rank (off for quiet/json output)
 
 
 @dataclass

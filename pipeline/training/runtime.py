@@ -4,8 +4,8 @@ compiled blocks, and the signals that ask it to stop."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -15,6 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.errors import ConfigError, PipelineError, problem
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteError(PipelineError):
@@ -112,9 +114,8 @@ def stop_on_signals() -> Iterator[dict[str, int]]:
         if asked:
             raise KeyboardInterrupt
         asked["signum"] = signum
-        print(
-            f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (again to abort now)",
-            file=sys.stderr,
+        log.warning(
+            f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (again to abort now)"
         )
 
     previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -1,0 +1,46 @@
+"""The user's files behind a run, fingerprinted so that DVC re-runs what they feed when one changes.
+
+`data.path` and `donor.path` are strings in params.yaml: DVC sees a change of the string, not an
+edit of the file. The `inputs` stage runs every time (it only hashes) and writes what the files
+hold now to `data/inputs/corpus.json` and `data/inputs/donor.json`; pack and the stages after it
+depend on those records. Editing `corpus.txt` in place or replacing the donor GGUF changes a record
+and re-runs pack (and what follows); unchanged files leave the records byte-identical, so nothing
+re-runs. The built-in sources record the stdlib module they are read from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DataConfig
+from pipeline.data.corpus import source_files
+from pipeline.files import atomic_dir, sha256_file, write_json
+
+CORPUS_RECORD = "corpus.json"
+DONOR_RECORD = "donor.json"
+
+
+def describe_file(path: Path, name: str) -> dict[str, Any]:
+    return {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def corpus_record(data: DataConfig) -> dict[str, Any]:
+    """What the configured corpus is made of now: each file's name (relative to a directory source),
+    size and sha256. Names, not absolute paths, so a temp copy of the project records the same."""
+    root, files = source_files(data)
+    described = [describe_file(f, str(f.relative_to(root)) if root else f.name) for f in files]
+    return {"source": data.source, "path": data.path, "glob": data.glob if root else None, "files": described}
+
+
+def donor_record(value: str, resolved: Path) -> dict[str, Any]:
+    return {"path": value, "file": describe_file(resolved, resolved.name)}
+
+
+def run_inputs(data: DataConfig, donor_value: str, donor_file: Path, out_dir: Path) -> dict[str, Any]:
+    """Write both records into `out_dir` (atomically, as one directory) and return them."""
+    records = {CORPUS_RECORD: corpus_record(data), DONOR_RECORD: donor_record(donor_value, donor_file)}
+    with atomic_dir(out_dir) as tmp:
+        for name, record in records.items():
+            write_json(tmp / name, record)
+    return records

@@ -1,0 +1,70 @@
+"""Lineage: a stage's config against what its inputs record they were made with.
+
+DVC keeps `params.yaml` and the stage outputs in step. A stage run by hand composes `conf/` plus
+its overrides instead, and its inputs (`data/packed`, `models/init`) may come from another
+configuration: say `dvc exp run -S recipe=from-scratch` left a scratch init, and
+`python -m stages.train` composes the default warm-start recipe. Training would then log a recipe
+it did not use. So the stages that read another stage's output compare first and stop with one
+line naming the key, both values and the fix. What matched becomes MLflow tags (`lineage.*`):
+the realized facts, not the requested config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.data.packed import META_FILE, load_meta
+from pipeline.errors import ConfigError, problem
+from pipeline.modeldir import REALIZE_FILE
+
+FIX = (
+    "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), or run this stage on the "
+    "workspace's own config: `--config-dir . --config-name params`"
+)
+
+
+def mismatch(key: str, recorded: Any, configured: Any, record: Path) -> ConfigError:
+    return ConfigError(
+        problem(
+            f"config key {key}",
+            f"{recorded!r}, what {record} was made with",
+            repr(configured),
+            FIX.format(key=key, value=configured),
+        )
+    )
+
+
+def compare(prefix: str, recorded: dict[str, Any], configured: dict[str, Any], record: Path) -> None:
+    """Every key both sides have must agree (a record from an older version may lack some)."""
+    for key in sorted(recorded.keys() & configured.keys()):
+        if recorded[key] != configured[key]:
+            raise mismatch(f"{prefix}.{key}", recorded[key], configured[key], record)
+
+
+def check_packed(cfg: PipelineConfig, packed_dir: Path) -> dict[str, str]:
+    """The data config against `data/packed/meta.json`; returns the lineage tags of the data."""
+    meta = load_meta(packed_dir)
+    if meta.data is not None:
+        compare("data", meta.data, asdict(cfg.data), Path(packed_dir) / META_FILE)
+    return {
+        "lineage.data": f"{meta.source}:{meta.corpus_sha256[:12]}",
+        "lineage.tokenizer": meta.tokenizer_fingerprint[:12],
+    }
+
+
+def check_init(cfg: PipelineConfig, init_dir: Path) -> dict[str, str]:
+    """Recipe and model shape against `models/init/realize.json`; returns the init's lineage tags."""
+    path = Path(init_dir) / REALIZE_FILE
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    recorded = {"name": record.get("recipe"), "init": record.get("init"), "mode": record.get("mode")}
+    configured = {"name": cfg.recipe.name, "init": cfg.recipe.init, "mode": cfg.recipe.mode}
+    compare("recipe", {k: v for k, v in recorded.items() if v is not None}, configured, path)
+    if not cfg.recipe.finetune and isinstance(record.get("model"), dict):
+        compare("model", record["model"], asdict(cfg.model), path)
+    return {"lineage.init": f"{record.get('recipe', '?')}:{record.get('init', '?')}"}

@@ -1,0 +1,40 @@
+"""inputs: fingerprint the user's corpus and donor files so DVC re-runs pack when either changes.
+
+Runs on every `dvc repro` (`always_changed` in dvc.yaml) and only hashes; no MLflow run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.errors import PipelineError
+from pipeline.gguf.reader import resolve_gguf_path
+from pipeline.inputs import run_inputs
+from stages import output
+from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, entry, fail, typed_config
+
+log = logging.getLogger(__name__)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
+def main(cfg: DictConfig) -> None:
+    try:
+        typed = typed_config(cfg)
+        output.configure(typed.output)
+        out_dir = Paths.here().inputs
+        records = run_inputs(typed.data, typed.donor.path, resolve_gguf_path(typed.donor.path), out_dir)
+    except PipelineError as e:
+        fail(str(e))
+    corpus, donor = records["corpus.json"], records["donor.json"]
+    size = sum(f["bytes"] for f in corpus["files"]) / 1e6
+    log.info(
+        f"inputs: corpus {len(corpus['files'])} file(s), {size:.1f} MB; donor {donor['file']['name']} "
+        f"sha256 {donor['file']['sha256'][:12]} -> {out_dir}"
+    )
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -1,0 +1,103 @@
+"""Which config keys each stage reads, and a refusal of sweeps over keys a stage would ignore.
+
+A stage only uses its own keys; its inputs come from the stages before it. A multirun of one stage
+over a key another stage reads (`python -m stages.train -m model.d_model=192,256`) would train the
+same `models/init` in every job while MLflow logs different values. So such a sweep is refused
+before its first job, naming the key and the stages that read it. (A single run may carry the
+whole chain's overrides, as running the stages one by one does; `pipeline.lineage` then checks
+them against what its inputs were made with.) `STAGE_PARAMS` is also what `dvc.yaml` declares as
+each stage's `params` (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeline.errors import ConfigError
+from pipeline.files import flatten
+
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "inputs": ("data", "donor.path"),
+    "pack": ("data", "donor.path"),
+    "donor": ("donor.path", "model.d_model", "recipe.init"),
+    "realize": ("seed", "model", "recipe", "donor.path"),
+    "train": ("seed", "train", "optim"),
+    "export": ("export", "donor.path", "recipe.lora.dropout"),
+    "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),
+}
+EVERY_STAGE = ("tracking", "output")  # how a stage reports, never what it computes
+
+
+def reads(stage: str, key: str) -> bool:
+    """Whether `stage` reads the dotted leaf `key` (a declared param is the key or a prefix of it)."""
+    declared = STAGE_PARAMS.get(stage, ()) + EVERY_STAGE
+    return any(key == p or key.startswith(p + ".") for p in declared)
+
+
+def readers(key: str) -> list[str]:
+    return [s for s in STAGE_PARAMS if s != "inputs" and reads(s, key)]
+
+
+def changed_keys(cfg: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    """Leaf keys whose value differs between two composed configs (or exist in only one)."""
+    a, b = flatten(cfg), flatten(base)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object()))
+
+
+def check_overrides(stage: str, cfg: DictConfig) -> None:
+    """In a multirun, refuse overrides that change keys `stage` does not read (no-op otherwise)."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    hc = HydraConfig.get()
+    task = list(hc.overrides.task)
+    if not task or stage not in STAGE_PARAMS:
+        return
+    check_sweep(stage, sys.argv[1:])
+    base = GlobalHydra.instance().hydra.compose_config(
+        config_name=hc.job.config_name, overrides=[], run_mode=RunMode.RUN
+    )
+    with open_dict(base):
+        base.pop("hydra", None)  # its sweep keys only resolve inside a job
+    with_base = OmegaConf.to_container(base, resolve=True)
+    ignored = [k for k in changed_keys(OmegaConf.to_container(cfg, resolve=True), with_base) if not reads(stage, k)]
+    if ignored:
+        raise ConfigError(unread_message(stage, ignored, task))
+
+
+def check_sweep(stage: str, argv: list[str]) -> None:
+    """A sweep over a key `stage` does not read is refused as a whole, before its first job runs,
+    even when that job's value happens to equal the composed one."""
+    args = [a for a in argv if "=" in a and not a.startswith("-") and not a.startswith("hydra")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return  # Hydra itself reports a malformed override
+    for o in overrides:
+        key = o.key_or_group
+        declared = STAGE_PARAMS[stage] + EVERY_STAGE
+        if o.is_sweep_override() and not reads(stage, key) and not any(p.startswith(key + ".") for p in declared):
+            raise ConfigError(unread_message(stage, [key], [o.input_line or key]))
+
+
+def unread_message(stage: str, ignored: list[str], task: list[str]) -> str:
+    key = ignored[0]
+    causes = [o for o in task if _override_key(o) and (key + ".").startswith(_override_key(o) + ".")] or task
+    by = readers(key) or ["no stage"]
+    more = f" (and {len(ignored) - 1} more key(s))" if len(ignored) > 1 else ""
+    return (
+        f"config key {key}: stage {stage} does not read it, {', '.join(by)} does; found the override "
+        f"{' '.join(causes)} changing it{more}; fix: drop it here and run the pipeline with "
+        f"`dvc exp run -S '{causes[0]}'`, which re-runs every stage it affects"
+    )
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~") if "=" in override else ""

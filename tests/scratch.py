@@ -1,0 +1,89 @@
+"""A scratch copy of this project (tiny model, a few steps) in its own git repo, and a shell in it:
+what the end-to-end and experiment tests run DVC, the stages and MLflow against."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+TINY_MODEL = """arch: llama
+d_model: 32
+n_layer: 1
+n_head: 2
+n_kv_head: 1
+d_ff: 64
+context_length: 64
+rope_theta: 10000.0
+norm_eps: 1.0e-05
+tie_embeddings: true
+init_std: 0.02
+"""
+TINY_TRAIN = """steps: 6
+batch_size: 4
+seq_len: 32
+grad_accum: 1
+precision: bf16
+eval_every: 3
+log_every: 1
+device: cpu
+threads: 0
+"""
+
+
+def env(cwd: Path, tracking_uri: bool = True) -> dict[str, str]:
+    """The venv first on PATH, a git identity, and (unless told not to) the scratch MLflow store."""
+    out = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    out.pop("MLFLOW_TRACKING_URI", None)
+    if tracking_uri:
+        out["MLFLOW_TRACKING_URI"] = f"sqlite:///{cwd / 'mlflow.db'}"
+    return out
+
+
+def run(cwd: Path, *args: str, timeout: int = 600, tracking_uri: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=env(cwd, tracking_uri), capture_output=True, text=True, timeout=timeout)
+
+
+def sh(cwd: Path, *args: str, timeout: int = 600, stderr: bool = True, tracking_uri: bool = True) -> str:
+    proc = run(cwd, *args, timeout=timeout, tracking_uri=tracking_uri)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + (proc.stderr if stderr else "")
+
+
+def ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", output)
+
+
+def make_project(dst: Path) -> Path:
+    """Copy the code, config and DVC files into `dst`, shrink model and training, commit."""
+    for name in ("conf", "stages", "pipeline", ".dvc"):
+        shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
+    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+        shutil.copy(ROOT / name, dst / name)
+    (dst / "conf" / "model" / "llama-tiny.yaml").write_text(TINY_MODEL)
+    (dst / "conf" / "train" / "default.yaml").write_text(TINY_TRAIN)
+    (dst / "params.yaml").write_text(sh(dst, sys.executable, "-m", "stages.compose", stderr=False))
+    sh(dst, "git", "init", "-q")
+    sh(dst, "git", "add", "-A")
+    sh(dst, "git", "commit", "-qm", "init")
+    return dst
+
+
+def mlflow_runs(project: Path, experiment: str = "smollm-pipeline"):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([exp.experiment_id], max_results=1000)

@@ -1,0 +1,78 @@
+"""The MLflow wrapper under concurrency, and where a stage's store is: parallel sweep jobs on a fresh
+SQLite store all succeed and share one parent; a queued DVC experiment (run in a temp copy) logs
+into the project's store; artifacts are placed by us only for local stores."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from pipeline.tracking import Tracker, default_tracking_uri, is_local_store, project_root
+
+WORKERS = 4
+
+
+def _job(uri: str, index: int, queue) -> None:
+    try:
+        tracker = Tracker(uri, "concurrent", Path(uri.removeprefix("sqlite:///")).parent / "artifacts")
+        parent = tracker.parent("sweep_id", "abc", "sweep-abc", {"stage": "train"})
+        run = tracker.start(f"job{index}", {"sweep_id": "abc"}, parent_run_id=parent.run_id)
+        for step in range(1, 21):
+            run.log_metrics({"train_loss": 1.0 / step}, step)
+        run.end()
+        queue.put(("ok", run.run_id))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        queue.put(("error", repr(e)))
+
+
+def test_parallel_processes_on_a_fresh_store_share_one_parent(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'fresh.db'}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_job, args=(uri, i, queue)) for i in range(WORKERS)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(kind == "ok" for kind, _ in results), results
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("concurrent").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("parent") == "true"]
+    assert len(parents) == 1 and len(runs) == WORKERS + 1
+    for _, run_id in results:
+        history = client.get_metric_history(run_id, "train_loss")
+        assert [m.step for m in history] == list(range(1, 21))
+
+
+def test_the_store_of_a_queued_experiment_is_the_projects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    project, temp_copy = tmp_path / "project", tmp_path / "project" / ".dvc" / "tmp" / "exps" / "tmpabc"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert project_root(temp_copy) == temp_copy.resolve()
+    monkeypatch.setenv("DVC_ROOT", str(project))  # what DVC sets for workspace and temp runs alike
+    assert project_root(temp_copy) == project.resolve()
+    assert default_tracking_uri(project_root(temp_copy)) == f"sqlite:///{project.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert default_tracking_uri(project) == "http://mlflow.example:5000"
+
+
+@pytest.mark.parametrize(
+    "uri, local",
+    [
+        ("sqlite:////tmp/x.db", True),
+        ("file:///tmp/mlruns", True),
+        ("/tmp/mlruns", True),
+        ("mlruns", True),
+        ("http://host:5000", False),
+        ("https://host", False),
+        ("databricks", False),
+        ("databricks://profile", False),
+    ],
+)
+def test_artifacts_are_placed_by_us_only_for_local_stores(uri: str, local: bool) -> None:
+    assert is_local_store(uri) is local
