@@ -37,8 +37,10 @@ llamacpp: setup
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 		$(PY) -m pip install --quiet llama-cpp-python
 
+# Prints the URL that opens the run list (MLflow 3 otherwise lands on its empty GenAI view).
+PORT ?= 5000
 mlflow-ui: setup
-	$(VENV)/bin/mlflow ui --backend-store-uri "sqlite:///$(CURDIR)/mlflow.db"
+	$(PY) -m stages.mlflow_ui $(PORT)
 
 clean:
 	rm -rf data models outputs multirun logs dvc_plots

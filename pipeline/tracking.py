@@ -118,6 +118,10 @@ class Run:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as an image artifact (shown in the run's Artifacts tab)."""
+        self._client.log_figure(self.run_id, figure, artifact_file)
+
     def end(self, status: str = "FINISHED") -> None:
         self.flush()
         _retry(lambda: self._client.set_terminated(self.run_id, status))

@@ -38,6 +38,9 @@ from stages.runs import open_run
 CONFIG_PATH = "../conf"
 T = TypeVar("T")
 CONFIG_NAME = "config"
+# MLflow's run page draws one chart per key, in sections by prefix (alphabetical, unprefixed last):
+# the loss curves share the first section, the single-value summaries (`summary/`) the next.
+MLFLOW_NAMES = {"train_loss": "loss/train", "val_loss": "loss/val"}
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ class StageContext:
     inputs: dict[str, str] = field(default_factory=dict)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        """Per-step metrics to MLflow; the losses as `loss/train`, `loss/val` (see MLFLOW_NAMES)."""
         if self.run is not None:
-            self.run.log_metrics(metrics, step)
+            self.run.log_metrics({MLFLOW_NAMES.get(k, k): v for k, v in metrics.items()}, step)
 
     @cached_property
     def donor(self) -> Path:
@@ -260,8 +264,9 @@ def run_stage(
 
 
 def _finish(run: Run, stage: str, cfg: DictConfig, metrics: dict, metrics_path: Path, out_dir: Path) -> None:
-    """The stage's summary metrics, resolved config, metrics file and log file; then FINISHED."""
-    run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
+    """The stage's summary metrics (under `summary/`, so the UI shows the curves first and keeps the
+    single values in a section of their own), resolved config, metrics file and log file; then FINISHED."""
+    run.log_metrics({f"summary/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
     config_file = write_text(out_dir.parent / f".{stage}-config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     run.log_artifact(config_file)
     config_file.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import hydra
+from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
@@ -63,6 +64,22 @@ def write_plots(ctx: StageContext, result: TrainResult) -> None:
     ]
     for name, rows in (("train_loss", train_rows), ("val_loss", val_rows)):
         ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", "\n".join(rows) + "\n"))
+    if ctx.run is not None:
+        ctx.run.log_figure(loss_figure(result.history), "loss.png")
+
+
+def loss_figure(history: list[dict[str, float]]) -> Figure:
+    """Train and val loss on one chart: MLflow draws one chart per metric key."""
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot([h["step"] for h in history], [h["train_loss"] for h in history], label="train_loss", linewidth=1)
+    val = [h for h in history if "val_loss" in h]
+    ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="val_loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="train and val loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
 
 def metrics(result: TrainResult) -> dict[str, float]:

@@ -59,7 +59,7 @@ def test_mlflow_has_one_run_per_stage(project: Path, first_repro: str) -> None:
     assert train.info.status == "FINISHED"
     assert train.data.params["optim.lr"] == "0.003" and train.data.tags["recipe"] == "warm-start"
     assert {"git_commit", "config_hash", "input.init", "input.packed_meta"} <= set(train.data.tags)
-    history = client.get_metric_history(train.info.run_id, "train_loss")
+    history = client.get_metric_history(train.info.run_id, "loss/train")
     assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
     assert any(p.endswith("config.yaml") for p in artifacts) and "train.json" in artifacts
@@ -111,7 +111,9 @@ def test_repro_is_one_parent_run_with_a_child_per_stage(project: Path, first_rep
     train = next(r for r in children if r.data.tags["stage"] == "train")
     commit = sh(project, "git", "rev-parse", "HEAD", stderr=False).strip()
     assert train.data.tags["mlflow.source.git.commit"] == commit and train.data.tags["mlflow.source.name"]
-    assert "median_tokens_per_second" in train.data.metrics and "mlflow.user" in train.data.tags
+    assert "summary/median_tokens_per_second" in train.data.metrics and "mlflow.user" in train.data.tags
+    assert "summary/final_val_loss" in train.data.metrics and "loss/train" in train.data.metrics
+    assert "loss.png" in {a.path for a in client.list_artifacts(train.info.run_id)}  # both losses, one chart
     logs = [a.path for a in client.list_artifacts(train.info.run_id, "logs")]
     assert logs == ["logs/train.log"]  # the stage's own output, as Hydra's job log wrote it
     assert not (project / "outputs").exists()  # no stray Hydra folders under a DVC run
@@ -164,7 +166,7 @@ def test_optuna_sweep_minimises_the_train_objective_under_one_parent(project: Pa
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
     assert len(parent) == 1 and len(children) == 3
     best = yaml.safe_load((project / "multirun" / "optuna" / "optimization_results.yaml").read_text())
-    assert best["best_value"] == pytest.approx(min(r.data.metrics["final_val_loss"] for r in children))
+    assert best["best_value"] == pytest.approx(min(r.data.metrics["summary/final_val_loss"] for r in children))
 
 
 def test_parallel_jobs_on_a_fresh_store_make_one_parent_and_lose_nothing(project: Path, first_repro: str) -> None:
@@ -186,7 +188,7 @@ def test_parallel_jobs_on_a_fresh_store_make_one_parent_and_lose_nothing(project
     assert len(parents) == 1 and len(children) == 3
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     for r in children:
-        assert [m.step for m in client.get_metric_history(r.info.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "loss/train")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_queued_experiments_log_to_the_project_store_and_compare(project: Path, first_repro: str) -> None:
@@ -254,4 +256,4 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
         key=lambda r: r.info.start_time,
     )
     assert latest.data.tags["recipe"] == "lora" and latest.data.params["recipe.lora.rank"] == "8"
-    assert "initial_val_loss" in latest.data.metrics and "epoch" in latest.data.metrics
+    assert "summary/initial_val_loss" in latest.data.metrics and "epoch" in latest.data.metrics

@@ -119,3 +119,15 @@ def test_dvc_lock_is_the_committed_state_of_the_code() -> None:
                 stale.setdefault(stage, []).append(bad)
     stale.pop("inputs", None)  # always_changed: DVC reports it every time by design
     assert not stale, f"dvc.lock is stale (run `dvc repro` and commit dvc.lock): {stale}"
+
+
+def test_dvc_plots_render_offline(tmp_path: Path) -> None:
+    """`dvc plots show` uses .dvc/plots/offline.html: the charting libraries are inlined, no CDN."""
+    dvc = Path(sys.executable).parent / "dvc"
+    out = subprocess.run(
+        [str(dvc), "plots", "show", "-o", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "index.html").read_text()
+    assert "<script src=" not in page and "cdn.jsdelivr" not in page
+    assert "vegaEmbed('#" in page and "window.__dvcPlots" in page and len(page) > 500_000

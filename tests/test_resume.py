@@ -274,7 +274,7 @@ def wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, step: int, timeo
         time.sleep(0.005)
 
 
-def metric_history(project: Path, run_id: str, key: str = "train_loss") -> dict[int, list[float]]:
+def metric_history(project: Path, run_id: str, key: str = "loss/train") -> dict[int, list[float]]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")

@@ -198,3 +198,18 @@ def test_unavailable_device_is_named() -> None:
     with pytest.raises(ConfigError, match="train.device"):
         tcfg = TrainConfig(steps=1, batch_size=2, seq_len=32, device="cuda")
         train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
+
+
+def test_a_run_that_passes_over_a_small_split_many_times_warns_once(caplog) -> None:
+    from pipeline.training.batches import warn_overfitting
+
+    tokens = np.zeros(31_000, dtype=np.uint16)  # the 31k-token corpus at the default 400 x 8 x 128
+    with caplog.at_level("WARNING"):
+        epochs = warn_overfitting(tokens, TrainConfig())
+    assert epochs == pytest.approx(400 * 8 * 128 / 31_000)
+    assert len(caplog.records) == 1 and "13.2 times" in caplog.text and "train.max_epochs=4" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        warn_overfitting(np.zeros(500_000, dtype=np.uint16), TrainConfig())  # 0.8 epochs: silent
+        warn_overfitting(tokens, TrainConfig(max_epochs=0))  # switched off
+    assert not caplog.records

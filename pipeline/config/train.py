@@ -54,6 +54,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 autocast (default on CPU with AMX) | fp32
     eval_every: int = 100
     log_every: int = 10
+    max_epochs: float = 4.0  # warn when the steps pass over the train split more often than this (0: never)
     device: str = "auto"
     threads: int = 0  # 0: torch's default
     compile: bool = False  # torch.compile the transformer blocks
@@ -72,6 +73,7 @@ class TrainConfig:
         choice(self.precision, "train.precision", PRECISIONS)
         choice(self.device, "train.device", DEVICES)
         at_least(self.threads, "train.threads", 0, "use 0 for torch's default")
+        at_least(self.max_epochs, "train.max_epochs", 0, "use 4, or 0 to never warn")
         at_least(self.checkpoint_every, "train.checkpoint_every", 0, "use 0 to checkpoint only at the end")
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")

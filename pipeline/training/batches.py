@@ -7,6 +7,7 @@ checkpoints carry.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Packed, is_rows
 from pipeline.errors import ConfigError, problem
 from pipeline.training import distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 class BatchSampler:
@@ -134,7 +137,30 @@ def check_batches(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainC
         check_split_fits(len(val_data), "val", 1, tcfg.seq_len)
     info = dist.env_info()
     dist.check_batch_divides(tcfg.batch_size, info)
+    if info.is_main:
+        warn_overfitting(train_data, tcfg)
     if optim.name == "lbfgs" and info.enabled and tcfg.parallel == "fsdp":
         raise ConfigError(
             problem("config key optim.name", "adamw with train.parallel=fsdp", "lbfgs", "use DDP or AdamW")
         )
+
+
+def epochs_planned(train_data: Any, tcfg: TrainConfig) -> float:
+    """How many times `train.steps` batches pass over the train split (rows, or tokens of windows)."""
+    per_step = tcfg.batch_size * tcfg.grad_accum
+    if is_rows(train_data):
+        return tcfg.steps * per_step / max(len(train_data.input_ids), 1)
+    return tcfg.steps * per_step * tcfg.seq_len / max(len(train_data), 1)
+
+
+def warn_overfitting(train_data: Any, tcfg: TrainConfig) -> float:
+    """Warn once when a small split will be seen so often that val loss likely rises (a 31k-token
+    corpus gets 14 epochs at the default 400 x 8 x 128); returns the epochs."""
+    epochs = epochs_planned(train_data, tcfg)
+    if tcfg.max_epochs and epochs > tcfg.max_epochs:
+        log.warning(
+            f"warning: train.steps={tcfg.steps} pass over the train split {epochs:.1f} times (more than "
+            f"train.max_epochs={tcfg.max_epochs:g}): expect val loss to rise as the model memorises it; "
+            "use fewer train.steps or more data (train.max_epochs=0 silences this)"
+        )
+    return epochs
