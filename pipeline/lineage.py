@@ -11,7 +11,6 @@ the realized facts, not the requested config.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import META_FILE, load_meta
 from pipeline.errors import ConfigError, problem
-from pipeline.modeldir import REALIZE_FILE
+from pipeline.modeldir import REALIZE_FILE, read_realize
 
 FIX = (
     "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), or run this stage on the "
@@ -59,9 +58,9 @@ def check_packed(cfg: PipelineConfig, packed_dir: Path) -> dict[str, str]:
 def check_init(cfg: PipelineConfig, init_dir: Path) -> dict[str, str]:
     """Recipe and model shape against `models/init/realize.json`; returns the init's lineage tags."""
     path = Path(init_dir) / REALIZE_FILE
-    if not path.is_file():
+    record = read_realize(init_dir)
+    if record is None:
         return {}
-    record = json.loads(path.read_text())
     recorded = {"name": record.get("recipe"), "init": record.get("init"), "mode": record.get("mode")}
     configured = {"name": cfg.recipe.name, "init": cfg.recipe.init, "mode": cfg.recipe.mode}
     compare("recipe", {k: v for k, v in recorded.items() if v is not None}, configured, path)

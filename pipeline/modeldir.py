@@ -95,6 +95,12 @@ def read_train_state(model_dir: Path) -> TrainState | None:
     return TrainState(**{k: v for k, v in _read_json(path, "a train state").items() if k in known})
 
 
+def read_realize(model_dir: Path) -> dict[str, Any] | None:
+    """How realize made `model_dir` (recipe, init, model config), or None for a dir without it."""
+    path = Path(model_dir) / REALIZE_FILE
+    return _read_json(path, "a realize record") if path.is_file() else None
+
+
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())

@@ -224,7 +224,7 @@ def run_stage(
     except PipelineError as e:
         fail(str(e))
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    paths = Paths(Path.cwd().resolve())
+    paths = Paths.here()
     out_dir, metrics_path, plots_dir = _outputs(stage, paths)
     try:
         tags = lineage(typed, paths) if lineage is not None else {}
