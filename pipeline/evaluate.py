@@ -63,14 +63,16 @@ def run_evaluate(
 def _val_metrics(
     model: nn.Module, val: np.ndarray | Packed, cfg: PipelineConfig, dev: torch.device, train_dir: Path, gguf: Path
 ) -> dict[str, float]:
-    """The val loss, checked against the train stage's final one (to 1e-3 for an f32 export)."""
+    """The val loss, checked against the train stage's for the weights it kept (to 1e-3 for an f32 export)."""
     val_loss = validation_loss(model, val, cfg.train.seq_len, cfg.train.batch_size, dev)
     metrics = {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
     state = read_train_state(train_dir)
     if state is None:
         return metrics
-    trained, diff = state.final_val_loss, abs(val_loss - state.final_val_loss)
+    trained, diff = state.val_loss, abs(val_loss - state.val_loss)
     metrics.update(trained_val_loss=trained, val_loss_abs_diff=diff)
+    if state.kept_step is not None:
+        metrics["kept_step"] = float(state.kept_step)
     if cfg.export.dtype == "f32" and diff > F32_TOLERANCE:
         raise PipelineError(
             f"{gguf}: expected val loss {trained:.6f} (train stage) within {F32_TOLERANCE}, "

@@ -72,6 +72,14 @@ class TrainState:
     world_size: int = 1
     initial_val_loss: float | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    kept_step: int | None = None  # the step whose weights were written (train.keep_best: the best val loss)
+    kept_val_loss: float | None = None  # their val loss: what evaluate must reproduce
+    stopped_early: bool = False
+
+    @property
+    def val_loss(self) -> float:
+        """The val loss of the weights written (older states knew only the last step's)."""
+        return self.final_val_loss if self.kept_val_loss is None else self.kept_val_loss
 
 
 def is_finetune_dir(model_dir: Path) -> bool:

@@ -3,6 +3,8 @@ directory (weights, optimizer state, `train_state.json`) out, through the one tr
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.config import OptimConfig, TrainConfig
@@ -11,8 +13,20 @@ from pipeline.errors import ConfigError, problem
 from pipeline.files import atomic_dir
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
 from pipeline.training import distributed as dist
+from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
 from pipeline.training.resume import CheckpointPlan
+
+log = logging.getLogger(__name__)
+
+
+def sized(tcfg: TrainConfig, packed_dir: Path) -> TrainConfig:
+    """`train.epochs` > 0 turns into the step count those passes over the train split take."""
+    if tcfg.epochs <= 0:
+        return tcfg
+    steps = steps_for_epochs(load_data(packed_dir, "train"), tcfg)
+    log.info(f"train: train.epochs={tcfg.epochs:g} passes over the train split = {steps} steps (train.steps ignored)")
+    return replace(tcfg, steps=steps)
 
 
 def run_train(
@@ -62,6 +76,9 @@ def run_train(
         world_size=dist.env_info().world_size,
         initial_val_loss=result.initial_val_loss,
         history=result.history,
+        kept_step=result.kept_step,
+        kept_val_loss=result.kept_val_loss,
+        stopped_early=result.stopped_early,
     )
     spec = read_spec(init_dir) if is_finetune_dir(init_dir) else None
     with atomic_dir(out_dir) as tmp:

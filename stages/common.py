@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError, PipelineError
@@ -32,7 +32,7 @@ from pipeline.files import fingerprint, write_json, write_text
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, project_root
 from stages import output
-from stages.overrides import check_overrides
+from stages.overrides import check_overrides, forget_unknown_key
 from stages.runs import open_run
 
 CONFIG_PATH = "../conf"
@@ -136,6 +136,11 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def config_failed(e: PipelineError) -> None:
+    """`fail` for a config the schema refused; a refused unknown key is also taken out of params.yaml."""
+    fail(str(e) + (forget_unknown_key(e.key) if isinstance(e, UnknownKeyError) else ""))
+
+
 def entry(main: Callable[[], Any]) -> None:
     """Run a `@hydra.main` function so that Hydra's own refusals (an unknown key, an unknown group
     option, override syntax) end like ours: one `error:` line and exit 2, not Hydra's multi-line
@@ -167,6 +172,14 @@ def hydra_message(e: HydraException) -> str:
     return f"{where}: {detail}; fix: quote values with spaces, commas or brackets"
 
 
+class UnknownKeyError(ConfigError):
+    """A key the schema does not have (a typo, or `-S +key=...`)."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
 def typed_config(cfg: DictConfig) -> PipelineConfig:
     """Merge into the schema (types, unknown keys) and build the dataclasses (value checks)."""
     return structured_config(PipelineConfig, cfg)
@@ -187,7 +200,8 @@ def structured_config(schema: type[T], cfg: DictConfig, source: str = "params.ya
         msg = str(e.msg if hasattr(e, "msg") and e.msg else e).splitlines()[0]
         key = getattr(e, "full_key", None) or "?"
         where = "conf/ or params.yaml" if source == "params.yaml" else source
-        raise ConfigError(f"config key {key}: {msg}; fix: correct {key} in {where}") from None
+        error = UnknownKeyError if isinstance(e, ConfigKeyError) and key != "?" else ConfigError
+        raise error(f"config key {key}: {msg}; fix: correct {key} in {where}", key) from None
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
@@ -222,7 +236,7 @@ def run_stage(
         output.configure(typed.output)
         check_overrides(stage, cfg)
     except PipelineError as e:
-        fail(str(e))
+        config_failed(e)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     paths = Paths.here()
     out_dir, metrics_path, plots_dir = _outputs(stage, paths)

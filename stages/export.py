@@ -29,9 +29,14 @@ def body(ctx: StageContext) -> dict[str, float]:
         "pipeline.mlflow_run_id": (state.mlflow_run_id if state else None) or "",
         "pipeline.donor": str(cfg.donor.path),
     }
+    if state is not None and state.kept_step is not None:
+        provenance["pipeline.kept_step"] = state.kept_step
     metrics = run_export(train_dir, ctx.donor, ctx.out_dir, cfg.export.dtype, provenance, cfg.recipe.lora.dropout)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
     log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")
+    if state is not None and state.kept_step is not None:
+        log.info(f"export: the weights of step {state.kept_step} of {state.steps} (val loss {state.val_loss:.4f})")
+        metrics["kept_step"] = float(state.kept_step)
     return metrics
 
 

@@ -14,7 +14,7 @@ from pipeline.errors import PipelineError
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.inputs import run_inputs
 from stages import output
-from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, entry, fail, typed_config
+from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, config_failed, entry, fail, typed_config
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> None:
     try:
         typed = typed_config(cfg)
+    except PipelineError as e:
+        config_failed(e)
+    try:
         output.configure(typed.output)
         out_dir = Paths.here().inputs
         records = run_inputs(typed.data, typed.donor.path, resolve_gguf_path(typed.donor.path), out_dir)

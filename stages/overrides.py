@@ -12,6 +12,7 @@ each stage's `params` (a test keeps the two equal).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -22,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.errors import ConfigError
-from pipeline.files import flatten
+from pipeline.files import flatten, write_text
 
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
@@ -101,3 +102,34 @@ def unread_message(stage: str, ignored: list[str], task: list[str]) -> str:
 
 def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~") if "=" in override else ""
+
+
+def forget_unknown_key(key: str) -> str:
+    """Take a key the schema refused out of params.yaml when the stage read it from there.
+
+    `dvc exp run -S +optim.lrr=1` (the `+` Hydra suggests) writes the misspelt key into params.yaml
+    before any stage runs, and a failed experiment would leave it there for every later run.
+    Returns what was done, for the error line ("" when the key did not come from params.yaml).
+    """
+    path = params_file()
+    if path is None:
+        return ""
+    data = OmegaConf.load(path)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(data, parent) if parent else data
+    if not isinstance(node, DictConfig) or leaf not in node:
+        return ""
+    del node[leaf]
+    write_text(path, OmegaConf.to_yaml(data))
+    return f" (removed {key} from {path}, so the failed run does not leave it behind)"
+
+
+def params_file() -> Path | None:
+    """The params.yaml this stage composed from (`--config-dir <dir> --config-name params`), if any."""
+    if not HydraConfig.initialized() or HydraConfig.get().job.config_name != "params":
+        return None
+    for source in HydraConfig.get().runtime.config_sources:
+        if source.provider == "command-line" and source.schema == "file":
+            path = Path(source.path) / "params.yaml"
+            return path if path.is_file() else None
+    return None

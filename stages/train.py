@@ -20,7 +20,7 @@ from pipeline.config import PipelineConfig
 from pipeline.files import write_text
 from pipeline.lineage import check_init, check_packed
 from pipeline.modeldir import weight_files
-from pipeline.train import run_train
+from pipeline.train import run_train, sized
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
@@ -53,6 +53,11 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         f"train: {result.steps} steps in {result.seconds:.0f}s, final val loss {result.final_val_loss:.4f} "
         f"(ppl {result.final_val_ppl:.2f}) -> {ctx.out_dir}"
     )
+    if result.kept_step != result.steps:
+        log.info(
+            f"train: kept the weights of step {result.kept_step} (val loss {result.kept_val_loss:.4f}, the lowest; "
+            "train.keep_best=false keeps the last)"
+        )
     return metrics(result)
 
 
@@ -93,6 +98,9 @@ def metrics(result: TrainResult) -> dict[str, float]:
         "final_train_loss": result.final_train_loss,
         "final_val_loss": result.final_val_loss,
         "final_val_ppl": result.final_val_ppl,
+        "kept_step": float(result.kept_step),
+        "kept_val_loss": result.kept_val_loss,
+        "stopped_early": float(result.stopped_early),
         "steps": float(result.steps),
         "tokens_seen": float(result.tokens_seen),
         "seconds": result.seconds,
@@ -112,11 +120,12 @@ def main(cfg: DictConfig) -> float | None:
     plans: list[CheckpointPlan] = []  # found before the MLflow run opens, used by the body
 
     def resume_run(typed: PipelineConfig, paths: Paths) -> str | None:
+        typed.train = sized(typed.train, paths.packed)  # train.epochs -> steps, once, for the plan and the loop
         plans.append(checkpoint_plan(typed, paths))
         return plans[0].run_id
 
     metrics = run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run, lineage=lineage)
-    return metrics.get("final_val_loss")  # the objective of an Optuna sweep
+    return metrics.get("kept_val_loss")  # the objective of an Optuna sweep: the loss of the weights written
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
     assert (project / "models" / "export" / "model.gguf").stat().st_size > 0
     evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
     train = json.loads((project / "metrics" / "train.json").read_text())
-    assert abs(evaluate["val_loss"] - train["final_val_loss"]) <= 1e-3
+    assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3
     samples = json.loads((project / "models" / "evaluate" / "samples.json").read_text())
     assert len(samples) == 3 and all({"prompt", "greedy", "sampled"} <= set(s) for s in samples)
 
@@ -86,6 +86,16 @@ def test_exp_run_set_param_reruns_only_downstream_of_lr(project: Path, first_rep
         key=lambda r: r.info.start_time,
     )
     assert latest_train.data.params["optim.lr"] == "0.002"
+
+
+def test_a_misspelt_plus_key_fails_in_one_line_and_leaves_params_yaml_as_it_was(
+    project: Path, first_repro: str
+) -> None:
+    before = yaml.safe_load((project / "params.yaml").read_text())
+    proc = run(project, "dvc", "exp", "run", "-S", "+optim.lrr=0.01")  # the `+` Hydra's own hint suggests
+    error = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: config key")]
+    assert proc.returncode != 0 and len(error) == 1 and "optim.lrr" in error[0], proc.stdout + proc.stderr
+    assert yaml.safe_load((project / "params.yaml").read_text()) == before
 
 
 def test_hydra_multirun_sweep_logs_grouped_runs(project: Path, first_repro: str) -> None:
@@ -166,7 +176,7 @@ def test_optuna_sweep_minimises_the_train_objective_under_one_parent(project: Pa
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
     assert len(parent) == 1 and len(children) == 3
     best = yaml.safe_load((project / "multirun" / "optuna" / "optimization_results.yaml").read_text())
-    assert best["best_value"] == pytest.approx(min(r.data.metrics["summary/final_val_loss"] for r in children))
+    assert best["best_value"] == pytest.approx(min(r.data.metrics["summary/kept_val_loss"] for r in children))
 
 
 def test_parallel_jobs_on_a_fresh_store_make_one_parent_and_lose_nothing(project: Path, first_repro: str) -> None:
@@ -232,7 +242,14 @@ def test_editing_the_corpus_in_place_reruns_pack(project: Path, first_repro: str
 
 
 def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_repro: str) -> None:
-    overrides = ["preset=lora", "train.steps=2", "train.batch_size=2", "train.eval_every=2", "train.device=cpu"]
+    overrides = [
+        "preset=lora",
+        "train.epochs=0",
+        "train.steps=2",
+        "train.batch_size=2",
+        "train.eval_every=2",
+        "train.device=cpu",
+    ]
     overrides += ["train.checkpoint_every=0", "evaluate.max_new_tokens=4", "evaluate.prompts=[a]"]
     out = sh(project, "dvc", "exp", "run", *(x for o in overrides for x in ("-S", o)), timeout=1200)
     assert ran(out) == ["inputs", "pack", "donor", "realize", "train", "export", "evaluate"]
@@ -242,7 +259,7 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     assert pack["examples_val"] > 0 and pack["chat_template"] == 1.0 and "truncated_train" in pack
     train = json.loads((project / "metrics" / "train.json").read_text())
     evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
-    assert abs(evaluate["val_loss"] - train["final_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
+    assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
     assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
     export = project / "models" / "export"
     assert {p.name for p in export.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}

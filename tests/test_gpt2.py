@@ -285,6 +285,6 @@ def test_stage_chain_trains_exports_and_evaluates_gpt2(tmp_path: Path) -> None:
     assert not g.has_tensor("output.weight") and g.metadata["tokenizer.ggml.model"] == "gpt2"
     evaluate = json.loads((tmp_path / "metrics" / "evaluate.json").read_text())
     train_metrics = json.loads((tmp_path / "metrics" / "train.json").read_text())
-    assert abs(evaluate["val_loss"] - train_metrics["final_val_loss"]) <= 1e-3  # the stage also enforces it
+    assert abs(evaluate["val_loss"] - train_metrics["kept_val_loss"]) <= 1e-3  # the stage also enforces it
     samples = json.loads((tmp_path / "models" / "evaluate" / "samples.json").read_text())
     assert len(samples) == 3 and all({"prompt", "greedy", "sampled"} <= set(s) for s in samples)

@@ -55,6 +55,9 @@ class TrainConfig:
     eval_every: int = 100
     log_every: int = 10
     max_epochs: float = 4.0  # warn when the steps pass over the train split more often than this (0: never)
+    epochs: float = 0.0  # > 0: size the run in passes over the train split (sets the step count); 0: use steps
+    keep_best: bool = True  # the weights written (and exported) are those of the lowest val loss, not the last
+    early_stop_patience: int = 0  # > 0: stop after this many evaluations without a new best val loss
     device: str = "auto"
     threads: int = 0  # 0: torch's default
     compile: bool = False  # torch.compile the transformer blocks
@@ -74,6 +77,8 @@ class TrainConfig:
         choice(self.device, "train.device", DEVICES)
         at_least(self.threads, "train.threads", 0, "use 0 for torch's default")
         at_least(self.max_epochs, "train.max_epochs", 0, "use 4, or 0 to never warn")
+        at_least(self.epochs, "train.epochs", 0, "use 0 to size the run by train.steps")
+        at_least(self.early_stop_patience, "train.early_stop_patience", 0, "use 0 to never stop early")
         at_least(self.checkpoint_every, "train.checkpoint_every", 0, "use 0 to checkpoint only at the end")
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")

@@ -8,6 +8,8 @@ checkpoints carry.
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -151,6 +153,12 @@ def epochs_planned(train_data: Any, tcfg: TrainConfig) -> float:
     if is_rows(train_data):
         return tcfg.steps * per_step / max(len(train_data.input_ids), 1)
     return tcfg.steps * per_step * tcfg.seq_len / max(len(train_data), 1)
+
+
+def steps_for_epochs(train_data: Any, tcfg: TrainConfig) -> int:
+    """`train.epochs` passes over the train split as a step count (at least one step)."""
+    per_pass = epochs_planned(train_data, replace(tcfg, steps=1))
+    return max(1, math.ceil(tcfg.epochs / per_pass - 1e-9))
 
 
 def warn_overfitting(train_data: Any, tcfg: TrainConfig) -> float:

@@ -9,6 +9,7 @@ checkpoints from which a resumed run ends bit-identical to an uninterrupted one.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -27,7 +28,7 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, make_sampler, sequence_length
 from pipeline.training.optim import clip_gradients, lbfgs_step, lr_at, nonfinite_message, set_lr
-from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, save_checkpoint
+from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
     NonFiniteError,
     autocast,
@@ -42,6 +43,7 @@ from pipeline.training.session import Session
 from pipeline.training.validation import validation_loss
 
 LogFn = Callable[[dict[str, float], int], None]
+log = logging.getLogger(__name__)
 
 
 def _ignore(*_: Any) -> None:
@@ -73,6 +75,9 @@ class TrainResult:
     weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # full, on the main rank
     optimizer_state: dict[str, Any] | None = field(default=None, repr=False)  # name-keyed, main rank
     initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base model's)
+    kept_step: int = 0  # the step whose weights `weights` are (the best by val loss with train.keep_best)
+    kept_val_loss: float = float("nan")  # their val loss
+    stopped_early: bool = False  # train.early_stop_patience ended the run before train.steps
 
     @property
     def final_val_ppl(self) -> float:
@@ -106,16 +111,18 @@ def train(
     show = progress and run.info.is_main
     bar = tqdm(total=tcfg.steps, initial=start, desc="train", disable=not show, dynamic_ncols=True)
     with stop_on_signals() as asked:
-        for step in range(start, tcfg.steps):
+        for step in range(start, start if run.state.stopped_early else tcfg.steps):
             row, epoch_end = run.step(step)
             run.record(step, row, epoch_end)
             bar.update(1)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
             stop = dist.any_rank(bool(asked), run.info, run.device)
-            run.checkpoint_if_due(stop)
+            run.checkpoint_if_due(stop or run.state.stopped_early)
             if stop:
                 bar.close()
                 raise interrupted(asked.get("signum", signal.SIGTERM), run.state.step, run.last_checkpoint)
+            if run.state.stopped_early:
+                break
     bar.close()
     return run.result(start), run.session.opt
 
@@ -133,6 +140,7 @@ class _Run:
         self.tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
         resume = None if plan is None else plan.resume
         self.state = LoopState() if resume is None else restore(resume, self.session, self.sampler)
+        self.best = None if resume is None or not tcfg.keep_best else restore_best(resume, self.state, self.session)
         if resume is None and plan is not None and tcfg.resume == "never" and self.info.is_main:
             ckpt.remove_newer(plan.root, 0)
         self.last_checkpoint = None if resume is None else str(resume.path)
@@ -192,6 +200,7 @@ class _Run:
         if done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end:
             row["val_loss"] = self.validate()
             row["val_ppl"] = math.exp(row["val_loss"])
+            self.track_best(done, row["val_loss"])
         if epoch_end:  # perplexity per epoch: the epoch's mean train loss and the val loss at its end
             losses = self.state.epoch_losses
             row["epoch_train_ppl"] = math.exp(sum(losses) / len(losses))
@@ -201,26 +210,53 @@ class _Run:
             self.log(row, done)
             self.state.history.append({"step": done, **row})
 
+    def track_best(self, done: int, val_loss: float) -> None:
+        """Remember the lowest val loss (and, with train.keep_best, its weights); with
+        train.early_stop_patience, end the run after that many evaluations without a new best."""
+        state = self.state
+        if state.best_val_loss is None or val_loss < state.best_val_loss:
+            state.best_val_loss, state.best_step, state.evals_since_best = val_loss, done, 0
+            if self.tcfg.keep_best:
+                self.best = self.session.weights()
+            return
+        state.evals_since_best += 1
+        patience = self.tcfg.early_stop_patience
+        if patience and state.evals_since_best >= patience and done < self.tcfg.steps:
+            state.stopped_early = True
+            if self.info.is_main:
+                log.info(
+                    f"train: early stop at step {done}: val loss {val_loss:.4f} has not beaten "
+                    f"{state.best_val_loss:.4f} (step {state.best_step}) in {patience} evaluations "
+                    "(train.early_stop_patience)"
+                )
+
     def checkpoint_if_due(self, stop: bool) -> None:
         plan, done = self.plan, self.state.step
         if plan is None or not (stop or done == self.tcfg.steps or (plan.every > 0 and done % plan.every == 0)):
             return
         self.hooks.flush()
-        path = save_checkpoint(
-            plan, replace(self.state, seconds=self.seconds()), self.session, self.sampler, self.hooks.run_id
-        )
+        best = self.best if self.best is not None and self.state.best_step != done else None
+        state = replace(self.state, seconds=self.seconds())
+        path = save_checkpoint(plan, state, self.session, self.sampler, self.hooks.run_id, best)
         self.last_checkpoint = None if path is None else str(path)
 
     def seconds(self) -> float:
         return self.state.seconds + time.perf_counter() - self.started
 
     def result(self, resumed_from: int) -> TrainResult:
+        """The outcome; `weights` are the last step's, or the best step's with train.keep_best."""
         weights, optimizer_state = self.session.snapshot()
-        history = self.state.history
+        history, state = self.state.history, self.state
+        kept_step, kept_loss = state.step, history[-1]["val_loss"]
+        if self.best is not None and state.best_step != state.step:
+            weights, kept_step, kept_loss = self.best, state.best_step, state.best_val_loss
         main = self.info.is_main
         return TrainResult(
-            steps=self.tcfg.steps,
-            tokens_seen=self.tokens_per_step * self.tcfg.steps,
+            steps=state.step,
+            tokens_seen=self.tokens_per_step * state.step,
+            kept_step=kept_step,
+            kept_val_loss=kept_loss,
+            stopped_early=state.stopped_early,
             final_train_loss=history[-1]["train_loss"] if history else float("nan"),
             final_val_loss=history[-1]["val_loss"],
             seconds=self.seconds(),

@@ -33,6 +33,7 @@ from pipeline.training.session import Session, trainable_names
 # switches are left out: changing them on resume is legitimate (not always bit-exact).
 TRAJECTORY_KEYS = ("steps", "batch_size", "seq_len", "grad_accum", "precision", "compile")
 RNG_FILE = "rng.pt"
+BEST_FILE = "best.safetensors"  # in a checkpoint: the best weights so far, when not the step's own
 
 
 @dataclass
@@ -45,6 +46,10 @@ class LoopState:
     seconds: float = 0.0  # training time before this process took over
     initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base's)
     epoch_losses: list[float] = field(default_factory=list)  # train losses of the epoch in progress
+    best_val_loss: float | None = None  # the lowest val loss so far (train.keep_best, early stopping)
+    best_step: int = 0  # the step it was measured at
+    evals_since_best: int = 0  # evaluations since then (train.early_stop_patience)
+    stopped_early: bool = False  # a checkpoint written when early stopping ended the run
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> LoopState:
@@ -159,9 +164,15 @@ def set_rng_states(json_states: dict[str, Any], tensors: dict[str, torch.Tensor]
 
 
 def save_checkpoint(
-    plan: CheckpointPlan, state: LoopState, session: Session, sampler: Any, run_id: str | None
+    plan: CheckpointPlan,
+    state: LoopState,
+    session: Session,
+    sampler: Any,
+    run_id: str | None,
+    best: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
-    """Every rank takes part (the FSDP gather); rank 0 writes. `state.step` names the checkpoint."""
+    """Every rank takes part (the FSDP gather); rank 0 writes. `state.step` names the checkpoint.
+    `best`: the best weights so far when they are not this step's (train.keep_best)."""
     weights, optimizer_state = session.snapshot()
     path = None
     if session.info.is_main:
@@ -172,6 +183,8 @@ def save_checkpoint(
             write_weights(d, session.model.cfg, weights)
             torch.save(optimizer_state, d / OPTIMIZER_FILE)
             torch.save(tensor_rng, d / RNG_FILE)
+            if best is not None:
+                write_weights(d, session.model.cfg, best, BEST_FILE)
 
         path = ckpt.write(plan.root, state.step, fill, {**saved, "rng": json_rng}, plan.keep)
     dist.barrier(session.info)
@@ -192,3 +205,13 @@ def restore(found: ckpt.Checkpoint, session: Session, sampler: Any) -> LoopState
     sampler.set_state(found.state["sampler"])
     set_rng_states(found.state["rng"], torch.load(found.path / RNG_FILE, weights_only=True), session.device)
     return replace(LoopState.from_checkpoint(found.state), step=found.step)
+
+
+def restore_best(found: ckpt.Checkpoint, state: LoopState, session: Session) -> dict[str, torch.Tensor] | None:
+    """The best weights as of a checkpoint: its own (when it is the best step) or its best file."""
+    if state.best_val_loss is None:
+        return None
+    if state.best_step == found.step:
+        return session.weights()
+    path = found.path / BEST_FILE
+    return load_file(str(path)) if path.is_file() else None

@@ -49,20 +49,24 @@ class Session:
         self.keep = None if len(trainable) == len(self.names) else trainable
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Full weights and name-keyed optimizer state on CPU (a collective under FSDP)."""
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Full trainable weights, copied to CPU (a collective under FSDP)."""
         if not self.fsdp:
-            weights = {k: v.detach().cpu().contiguous() for k, v in self._kept(self.model.state_dict()).items()}
-            return weights, named_optimizer_state(self.opt, self.names)
+            return {k: v.detach().cpu().clone().contiguous() for k, v in self._kept(self.model.state_dict()).items()}
         # FSDP only, and 0.6 s to import: not at module top
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = self._kept(_strip(get_model_state_dict(self.module, options=opts)))
+        return self._kept(_strip(get_model_state_dict(self.module, options=opts)))
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full weights and name-keyed optimizer state on CPU (a collective under FSDP)."""
+        weights = self.weights()
+        if not self.fsdp:
+            return weights, named_optimizer_state(self.opt, self.names)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         osd = get_optimizer_state_dict(self.module, self.opt, options=opts)
         if osd:
             osd = {
