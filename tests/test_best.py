@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import OptimConfig, TrainConfig
+from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import Packed, load_split
+from pipeline.errors import ConfigError
 from pipeline.modeldir import load_model_dir
+from pipeline.realize import realize
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.batches import epochs_planned, steps_for_epochs
+from pipeline.training.batches import check_batches, epochs_planned, steps_for_epochs
 from pipeline.training.validation import evaluate_loss
 from tests.test_resume import assert_same_weights, make_project, run_lib
 
@@ -91,3 +93,12 @@ def test_epochs_size_the_run_for_streams_and_rows() -> None:
     rows = Packed(np.zeros((53, 8), np.int32), np.zeros((53, 8), np.int32), np.zeros((53, 8), np.int16))
     steps = steps_for_epochs(rows, TrainConfig(batch_size=4, epochs=3))
     assert steps == 40 and epochs_planned(rows, TrainConfig(batch_size=4, steps=steps)) >= 3
+
+
+def test_a_batch_larger_than_the_packed_rows_is_a_named_error() -> None:
+    rows = Packed(np.zeros((3, 8), np.int64), np.zeros((3, 8), np.int64), np.ones((3, 8), np.int32))
+    model = realize(
+        ModelConfig(d_model=32, n_layer=1, n_head=4, n_kv_head=2, d_ff=64, context_length=16), "scratch", 64, 0
+    )
+    with pytest.raises(ConfigError, match=r"train.batch_size: expected at most the 3 packed train rows.*found 4"):
+        check_batches(model, rows, rows, TrainConfig(batch_size=4), OptimConfig())

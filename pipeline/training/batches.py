@@ -137,6 +137,15 @@ def check_batches(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainC
     if not is_rows(train_data):
         check_split_fits(len(train_data), "train", tcfg.batch_size, tcfg.seq_len)
         check_split_fits(len(val_data), "val", 1, tcfg.seq_len)
+    elif len(train_data.input_ids) < tcfg.batch_size:
+        raise ConfigError(
+            problem(
+                "config key train.batch_size",
+                f"at most the {len(train_data.input_ids)} packed train rows (one batch must not repeat a row)",
+                str(tcfg.batch_size),
+                "lower train.batch_size, or add examples to the data",
+            )
+        )
     info = dist.env_info()
     dist.check_batch_divides(tcfg.batch_size, info)
     if info.is_main:
