@@ -58,7 +58,7 @@ def read_donor_embeddings(path: Path) -> DonorEmbeddings:
     """The donor's `token_embd.weight`, dequantized, with its width checked against the header."""
     g = GGUFFile(path)
     arch = g.architecture
-    width = int(g.arch_key("embedding_length"))
+    width = g.int_key(f"{arch}.embedding_length")
     if not g.has_tensor(EMBEDDING_TENSOR):
         raise GGUFError(
             problem(

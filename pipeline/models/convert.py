@@ -54,6 +54,21 @@ def check_tensor_set(g: GGUFFile, expected: set[str], optional: set[str], what: 
         raise GGUFError(problem(str(g.path), "only tensors our module uses", f"{extra[:4]}{more}", fix))
 
 
+def check_shapes(g: GGUFFile, expected: dict[str, tuple[int, ...]], keys: str) -> None:
+    """Every present tensor has the shape the header keys imply, checked before a module of that size
+    is built: a forged key is a named error, never a torch allocation or an overflow."""
+    for name, want in expected.items():
+        if g.has_tensor(name) and g.tensor_info(name).shape != want:
+            raise GGUFError(
+                problem(
+                    f"{g.path} tensor {name}",
+                    f"shape {want} (from the {keys} keys)",
+                    f"shape {g.tensor_info(name).shape}",
+                    "the header keys and the tensors disagree; re-export the file",
+                )
+            )
+
+
 def assign_from_gguf(model: nn.Module, g: GGUFFile, names: dict[str, str], strict: bool = True) -> None:
     """Give a meta-device module the file's tensors (dequantized to fp32) as its parameters, each
     shape-checked by name: no throw-away random init is ever computed. `strict=False` leaves the

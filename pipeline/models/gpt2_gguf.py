@@ -12,7 +12,7 @@ from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import FILE_TYPES, write_model_gguf
 from pipeline.models.base import TransformerConfig
-from pipeline.models.convert import TensorLayout, assign_from_gguf, check_tensor_set, export_tensors
+from pipeline.models.convert import TensorLayout, assign_from_gguf, check_shapes, check_tensor_set, export_tensors
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.names import GPT2_BLOCK_TENSORS, GPT2_INPUT_TENSORS, GPT2_OUTPUT_TENSORS, OUTPUT, TOKEN_EMBD
 
@@ -48,13 +48,16 @@ def export_gpt2(
 
 
 def gpt2_config_from_gguf(g: GGUFFile) -> TransformerConfig:
-    """Our config from `gpt2.*` keys and tensor shapes; no `output.weight` means a tied head."""
-    d_model = int(g.arch_key("embedding_length"))
-    n_head = int(g.arch_key("attention.head_count"))
-    n_layer = int(g.arch_key("block_count"))
-    context = int(g.arch_key("context_length"))
-    n_kv = int(g.metadata.get("gpt2.attention.head_count_kv", n_head))
-    if n_head <= 0 or d_model % n_head or n_kv != n_head:
+    """Our config from `gpt2.*` keys and tensor shapes; no `output.weight` means a tied head.
+
+    Keys are type- and range-checked and every tensor's shape is checked against them before a
+    module is built, so a forged key is a named error, never a torch allocation.
+    """
+    d_model = g.int_key("gpt2.embedding_length")
+    n_head = g.int_key("gpt2.attention.head_count", high=d_model)
+    n_layer = g.int_key("gpt2.block_count", low=0, high=len(g.tensor_names()))
+    n_kv = g.int_key("gpt2.attention.head_count_kv", n_head)
+    if d_model % n_head or n_kv != n_head:
         raise GGUFError(
             problem(
                 f"{g.path} gpt2.attention.head_count(_kv)",
@@ -64,26 +67,38 @@ def gpt2_config_from_gguf(g: GGUFFile) -> TransformerConfig:
             )
         )
     _check_tensor_names(g, n_layer)
-    rows = g.tensor_info(TOKEN_EMBD).shape[0]
-    for name, want in ((TOKEN_EMBD, (rows, d_model)), ("position_embd.weight", (context, d_model))):
-        found = g.tensor_info(name).shape
-        if found != want:
-            raise GGUFError(
-                problem(f"{g.path} tensor {name}", f"shape {want} (from gpt2.* keys)", f"shape {found}", "re-export it")
-            )
-    return TransformerConfig(
+    rows = g.tensor_info(TOKEN_EMBD).shape[0] if len(g.tensor_info(TOKEN_EMBD).shape) == 2 else 0
+    eps = g.float_key("gpt2.attention.layer_norm_epsilon")
+    cfg = TransformerConfig(
         vocab_size=rows,
         d_model=d_model,
         n_layer=n_layer,
         n_head=n_head,
         n_kv_head=n_head,
-        d_ff=int(g.arch_key("feed_forward_length")),
-        context_length=context,
+        d_ff=g.int_key("gpt2.feed_forward_length"),
+        context_length=g.int_key("gpt2.context_length"),
         # the float32 the file holds, read back as the shortest decimal that gives it (1e-05, not 9.99999974e-06)
-        norm_eps=float(str(np.float32(g.arch_key("attention.layer_norm_epsilon")))),
+        norm_eps=float(str(np.float32(eps))),
         tie_embeddings=not g.has_tensor("output.weight"),
         arch="gpt2",
     )
+    check_shapes(g, gpt2_shapes(cfg), "gpt2.*")
+    if rows < 1:
+        raise GGUFError(problem(f"{g.path} tensor {TOKEN_EMBD}", "at least one row", f"{rows}", "re-export it"))
+    return cfg
+
+
+def gpt2_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """The numpy-order shape of every GGUF tensor a gpt2 of `cfg` has: what the header keys promise."""
+    d, ff = cfg.d_model, cfg.d_ff
+    block = {"attn_norm": ((d,), (d,)), "attn_qkv": ((3 * d, d), (3 * d,)), "attn_output": ((d, d), (d,))}
+    block |= {"ffn_norm": ((d,), (d,)), "ffn_up": ((ff, d), (ff,)), "ffn_down": ((d, ff), (d,))}
+    shapes = {TOKEN_EMBD: (cfg.vocab_size, d), "position_embd.weight": (cfg.context_length, d)}
+    shapes |= {"output_norm.weight": (d,), "output_norm.bias": (d,), OUTPUT: (cfg.vocab_size, d)}
+    for i in range(cfg.n_layer):
+        for name, (weight, bias) in block.items():
+            shapes |= {f"blk.{i}.{name}.weight": weight, f"blk.{i}.{name}.bias": bias}
+    return shapes
 
 
 def _check_tensor_names(g: GGUFFile, n_layer: int) -> None:

@@ -13,6 +13,7 @@ proves it: our logits on SmolLM2 equal transformers' logits on the same GGUF.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ import numpy as np
 import torch
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.reader import MAX_INT, GGUFFile
 from pipeline.gguf.writer import FILE_TYPES, write_model_gguf
 from pipeline.models.base import TransformerConfig
-from pipeline.models.convert import TensorLayout, assign_from_gguf, check_tensor_set, export_tensors
+from pipeline.models.convert import TensorLayout, assign_from_gguf, check_shapes, check_tensor_set, export_tensors
 from pipeline.models.llama import Llama
 from pipeline.models.names import (
     ARCHITECTURES,
@@ -32,6 +33,7 @@ from pipeline.models.names import (
     LLAMA_OUTPUT_TENSORS,
     OUTPUT,
     ROPE_FREQS,
+    TOKEN_EMBD,
 )
 
 LAYOUT = TensorLayout(LLAMA_INPUT_TENSORS, LLAMA_BLOCK_TENSORS, LLAMA_OUTPUT_TENSORS)
@@ -76,17 +78,18 @@ def _unsupported(g: GGUFFile, what: str, found: Any, fix: str) -> GGUFError:
     return GGUFError(problem(str(g.path), what, str(found), fix))
 
 
-def _int_key(g: GGUFFile, suffix: str, default: int | None = None) -> int:
-    """A scalar integer `llama.*` key (required unless a default is given); per-layer arrays are refused."""
-    key = f"llama.{suffix}"
-    value = g.require(key) if default is None else g.metadata.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _unsupported(g, f"{key} as one integer", repr(value), "per-layer values are not supported")
-    return value
+def _int_key(g: GGUFFile, suffix: str, default: int | None = None, low: int = 1, high: int = MAX_INT) -> int:
+    """A scalar integer `llama.*` key in [low, high] (required unless a default is given); per-layer
+    arrays, strings and out-of-range values are named errors."""
+    return g.int_key(f"llama.{suffix}", default, low, high)
 
 
 def config_from_gguf(g: GGUFFile) -> TransformerConfig:
-    """Rebuild our config from `llama.*` keys, refusing what our module cannot compute exactly."""
+    """Rebuild our config from `llama.*` keys, refusing what our module cannot compute exactly.
+
+    Every key is type- and range-checked, and every tensor's shape is checked against what the keys
+    imply before a module is built, so a forged key never reaches a torch allocation.
+    """
     if g.architecture != "llama":
         raise GGUFError(
             problem(
@@ -97,64 +100,97 @@ def config_from_gguf(g: GGUFFile) -> TransformerConfig:
             )
         )
     d_model = _int_key(g, "embedding_length")
-    n_head = _int_key(g, "attention.head_count")
-    n_layer = _int_key(g, "block_count")
-    if n_head <= 0 or d_model % n_head:
-        raise _unsupported(g, f"llama.attention.head_count dividing {d_model}", n_head, "the file is inconsistent")
+    n_head, n_kv_head = _heads(g, d_model)
+    n_layer = _int_key(g, "block_count", low=0, high=len(g.tensor_names()))  # each block has its own tensors
     head_dim = d_model // n_head
     _check_features(g, head_dim)
     vocab = _check_embedding(g, d_model)
     _check_tensor_names(g, n_layer)
-    factors = _rope_freq_factors(g, head_dim)
-    return TransformerConfig(
+    cfg = TransformerConfig(
         vocab_size=vocab,
         d_model=d_model,
         n_layer=n_layer,
         n_head=n_head,
-        n_kv_head=_int_key(g, "attention.head_count_kv", n_head),
+        n_kv_head=n_kv_head,
         d_ff=_int_key(g, "feed_forward_length"),
         context_length=_int_key(g, "context_length"),
-        rope_theta=float(g.metadata.get("llama.rope.freq_base", 10000.0)),
-        norm_eps=float(g.arch_key("attention.layer_norm_rms_epsilon")),
+        rope_theta=g.float_key("llama.rope.freq_base", 10000.0),
+        norm_eps=g.float_key("llama.attention.layer_norm_rms_epsilon"),
         tie_embeddings=not g.has_tensor("output.weight"),
-        rope_freq_factors=factors,
     )
+    check_shapes(g, llama_shapes(cfg), "llama.*")
+    return replace(cfg, rope_freq_factors=_rope_freq_factors(g, head_dim))
+
+
+def _heads(g: GGUFFile, d_model: int) -> tuple[int, int]:
+    """Query and key/value head counts: heads split d_model into even-sized heads (RoPE rotates pairs),
+    and the query heads into whole groups per key/value head."""
+    n_head = _int_key(g, "attention.head_count", high=d_model)
+    if d_model % n_head or (d_model // n_head) % 2:
+        raise _unsupported(
+            g, f"llama.attention.head_count dividing {d_model} into heads of even size", n_head, _INCONSISTENT
+        )
+    n_kv = _int_key(g, "attention.head_count_kv", n_head, high=n_head)
+    if n_head % n_kv:
+        raise _unsupported(g, f"llama.attention.head_count_kv dividing head_count {n_head}", n_kv, _INCONSISTENT)
+    return n_head, n_kv
+
+
+_INCONSISTENT = "the file is inconsistent; re-export it"
+
+
+def llama_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """The numpy-order shape of every GGUF tensor a llama of `cfg` has: what the header keys promise."""
+    d, ff, vocab = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    block = {"attn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q)}
+    block |= {"ffn_norm": (d,), "ffn_gate": (ff, d), "ffn_up": (ff, d), "ffn_down": (d, ff)}
+    shapes = {TOKEN_EMBD: (vocab, d), "output_norm.weight": (d,), OUTPUT: (vocab, d)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"blk.{i}.{name}.weight": shape for name, shape in block.items()})
+    return shapes
 
 
 def _check_features(g: GGUFFile, head_dim: int) -> None:
     """Keys that would change the computation in ways our module does not implement."""
     for suffix in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        value = _int_key(g, suffix, head_dim)
+        value = _int_key(g, suffix, head_dim, low=0)
         if value != head_dim:
             raise _unsupported(
                 g, f"llama.{suffix} = head size {head_dim}", value, "partial RoPE / MLA is not supported"
             )
-    scaling = str(g.metadata.get("llama.rope.scaling.type", "none"))
-    factor = float(g.metadata.get("llama.rope.scaling.factor", 1.0))
+    scaling = g.str_key("llama.rope.scaling.type", "none")
+    factor = g.float_key("llama.rope.scaling.factor", 1.0)
     if scaling not in ("none", "") and factor != 1.0:
         raise _unsupported(g, "no RoPE scaling", f"llama.rope.scaling.type={scaling} factor={factor}", "not supported")
-    experts = _int_key(g, "expert_count", 0)
+    experts = _int_key(g, "expert_count", 0, low=0)
     if experts:
         raise _unsupported(g, "a dense model", f"llama.expert_count={experts}", "mixture-of-experts is not supported")
 
 
 def _check_embedding(g: GGUFFile, d_model: int) -> int:
     """The vocab size: embedding rows, which the vocab key and the tokenizer must agree with."""
-    rows, width = g.tensor_info("token_embd.weight").shape
-    if width != d_model:
+    shape = g.tensor_info(TOKEN_EMBD).shape
+    if len(shape) != 2 or shape[0] < 1 or shape[1] != d_model:
         raise GGUFError(
             problem(
-                f"{g.path} token_embd.weight",
-                f"width llama.embedding_length={d_model}",
-                f"width {width}",
-                "the file is inconsistent; re-export it",
+                f"{g.path} {TOKEN_EMBD}",
+                f"a (vocab, llama.embedding_length={d_model}) table with at least one row",
+                f"shape {shape}",
+                _INCONSISTENT,
             )
         )
-    counts = {"llama.vocab_size": g.metadata.get("llama.vocab_size")}
-    if "tokenizer.ggml.tokens" in g.metadata:
-        counts["len(tokenizer.ggml.tokens)"] = len(g.metadata["tokenizer.ggml.tokens"])
+    rows = shape[0]
+    counts = {"llama.vocab_size": g.int_key("llama.vocab_size", rows)}
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        if not isinstance(tokens, list):
+            raise GGUFError(
+                problem(f"{g.path} tokenizer.ggml.tokens", "a list of token strings", repr(tokens)[:60], _INCONSISTENT)
+            )
+        counts["len(tokenizer.ggml.tokens)"] = len(tokens)
     for key, n in counts.items():
-        if n is not None and n != rows:
+        if n != rows:
             raise GGUFError(
                 problem(
                     f"{g.path} {key}",
@@ -181,6 +217,15 @@ def _rope_freq_factors(g: GGUFFile, head_dim: int) -> tuple[float, ...]:
     """The RoPE frequency factors (`rope_freqs.weight`), () when absent or all ones."""
     if not g.has_tensor(ROPE_FREQS):
         return ()
+    if g.tensor_info(ROPE_FREQS).shape != (head_dim // 2,):
+        raise GGUFError(
+            problem(
+                f"{g.path} {ROPE_FREQS}",
+                f"shape ({head_dim // 2},)",
+                f"{g.tensor_info(ROPE_FREQS).shape}",
+                _INCONSISTENT,
+            )
+        )
     factors = g.tensor(ROPE_FREQS)
     if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
         raise GGUFError(
