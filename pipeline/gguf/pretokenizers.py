@@ -77,7 +77,7 @@ def resolve_pre(name: object, source: str) -> tuple[str, PreTokenizer]:
             stacklevel=3,
         )
         name = "default"
-    if name not in PRE_TOKENIZERS:
+    if not isinstance(name, str) or name not in PRE_TOKENIZERS:
         raise GGUFError(
             problem(
                 f"{source} tokenizer.ggml.pre",

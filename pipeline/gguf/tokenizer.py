@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SUPPORTED_MODELS = ("gpt2", "llama")
+MAX_PIECE_CHARS = 1024  # longest SentencePiece piece we rebuild merges for (real ones are under 100)
 _SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 
@@ -78,8 +80,8 @@ class GGUFTokenizer:
         self.eos_id = self._special_id(metadata, "tokenizer.ggml.eos_token_id", defaults[1])
         self.unk_id = self._special_id(metadata, "tokenizer.ggml.unknown_token_id", defaults[2])
         self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
-        self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
-        self.add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
+        self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
         tokenizer = self._build_byte_level_bpe(pre) if pre is not None else self._build_sentencepiece_bpe()
         self._add_special_tokens(tokenizer)
         self._tok: Tokenizer = tokenizer
@@ -178,7 +180,8 @@ class GGUFTokenizer:
                     "use a GGUF exported with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)",
                 )
             )
-        return [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        _check_items(tokens, f"{self._source} tokenizer.ggml.tokens", str, "strings")
+        return [t if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
 
     def _bpe_settings(self, metadata: Mapping[str, Any]) -> tuple[PreTokenizer, tuple, bool]:
         """Byte-level BPE: the pre-tokenizer, merges; no default special ids; BOS as the pre says."""
@@ -190,10 +193,10 @@ class GGUFTokenizer:
 
     def _sentencepiece_settings(self, metadata: Mapping[str, Any]) -> tuple[None, tuple, bool]:
         """SentencePiece: scores fix the merge order; llama.cpp's bos/eos/unk defaults 1/2/0, BOS on."""
-        self.pre = metadata.get("tokenizer.ggml.pre")
+        self.pre = self._typed(metadata, "tokenizer.ggml.pre", str, None)
         self._merges = None
         self._scores = self._float_list(metadata, "tokenizer.ggml.scores")
-        self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        self.add_space_prefix = self._typed(metadata, "tokenizer.ggml.add_space_prefix", bool, True)
         return None, (1, 2, 0), True
 
     def _token_types(self, metadata: Mapping[str, Any]) -> list[int]:
@@ -209,7 +212,8 @@ class GGUFTokenizer:
                     "re-export the GGUF",
                 )
             )
-        return [int(t) for t in types]
+        _check_items(types, f"{self._source} tokenizer.ggml.token_type", int, "integer token types")
+        return list(types)
 
     def _string_list(self, metadata: Mapping[str, Any], key: str) -> list[str]:
         value = metadata.get(key)
@@ -222,7 +226,8 @@ class GGUFTokenizer:
                     "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
                 )
             )
-        return [str(v) for v in value]
+        _check_items(value, f"{self._source} {key}", str, "strings")
+        return list(value)
 
     def _float_list(self, metadata: Mapping[str, Any], key: str) -> list[float]:
         value = metadata.get(key)
@@ -235,7 +240,16 @@ class GGUFTokenizer:
                     "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
                 )
             )
+        _check_items(value, f"{self._source} {key}", (int, float), "finite numbers")
         return [float(v) for v in value]
+
+    def _typed(self, metadata: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
+        """A scalar key of type `kind` (or the default): `bool(...)` of a list or `str(...)` of a number
+        would silently change the ids."""
+        value = metadata.get(key, default)
+        if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+            raise GGUFError(problem(f"{self._source} {key}", f"a {kind.__name__}", repr(value)[:60], _CORRUPT))
+        return value
 
     def _special_id(self, metadata: Mapping[str, Any], key: str, default: int | None) -> int | None:
         value = metadata.get(key)
@@ -294,9 +308,11 @@ class GGUFTokenizer:
         """
         vocab = self._model_vocab()
         assert self._scores is not None
+        self._check_piece_lengths()
+        lengths = {len(t) for t in vocab}  # both halves of a merge are tokens: only their lengths can cut
         ranked: list[tuple[float, int, int, str, str]] = []
         for tok, i in vocab.items():
-            for cut in range(1, len(tok)):
+            for cut in sorted(c for c in lengths if 0 < c < len(tok) and len(tok) - c in lengths):
                 left, right = tok[:cut], tok[cut:]
                 if left in vocab and right in vocab:
                     ranked.append((-self._scores[i], i, cut, left, right))
@@ -316,6 +332,19 @@ class GGUFTokenizer:
             dec.append(decoders.Strip(" ", 1, 0))
         tokenizer.decoder = decoders.Sequence(dec)
         return tokenizer
+
+    def _check_piece_lengths(self) -> None:
+        """Recovering merges costs about len(token)^2 per token: a forged kilobyte-long piece would stall it."""
+        longest = max(range(self.vocab_size), key=lambda i: len(self._tokens[i]))
+        if len(self._tokens[longest]) > MAX_PIECE_CHARS:
+            raise GGUFError(
+                problem(
+                    f"{self._source} tokenizer.ggml.tokens[{longest}]",
+                    f"SentencePiece pieces of at most {MAX_PIECE_CHARS} characters",
+                    f"{len(self._tokens[longest])} characters",
+                    "the vocabulary is corrupt; re-export the GGUF",
+                )
+            )
 
     def _add_special_tokens(self, tokenizer) -> None:
         """Tokens llama.cpp matches whole in raw text before splitting: CONTROL, UNKNOWN (special,
@@ -341,6 +370,16 @@ class GGUFTokenizer:
                     "report this GGUF: its special tokens could not be mapped to their ids",
                 )
             )
+
+
+_CORRUPT = "the tokenizer metadata is corrupt; re-export the GGUF with llama.cpp's convert_hf_to_gguf.py"
+
+
+def _check_items(values: list, where: str, kind: type | tuple[type, ...], what: str) -> None:
+    """Every element of a metadata list is of `kind` (bools are not numbers here, floats are finite)."""
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, kind) or (isinstance(v, float) and not math.isfinite(v)):
+            raise GGUFError(problem(f"{where}[{i}]", f"a list of {what}", f"{type(v).__name__} {v!r}"[:80], _CORRUPT))
 
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
