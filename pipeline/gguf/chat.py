@@ -6,16 +6,26 @@ it runs in Jinja's immutable sandbox, and any access the sandbox forbids (dunder
 string and never executed. The environment mirrors transformers' `apply_chat_template`
 (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` filter)
 so real templates written for it render the same text.
+
+It is also bounded, because a template can loop, recurse or build strings: calls nest at most
+`MAX_CALL_DEPTH` deep (a macro that recurses without end), no string or list grows past the
+prompt bound (`BASE_CHARS` plus 4x the messages' text: `'x' * 10**9`, `~` doubling, `replace`,
+`join`), and a render takes at most `RENDER_SECONDS`, checked at every loop iteration, call,
+operator and filter. Each bound is a named `ChatTemplateError`, never a hang or a MemoryError.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
-from jinja2 import Undefined
+from jinja2 import Undefined, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -23,9 +33,18 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pipeline.errors import PipelineError, problem
 from pipeline.gguf.tokenizer import GGUFTokenizer
 
+MAX_CALL_DEPTH = 32  # nested calls: real templates nest a handful (a recursive tool-schema macro)
+RENDER_SECONDS = 2.0  # real templates render in milliseconds
+BASE_CHARS = 1 << 16  # markup a prompt may add: the bound is this plus 4x the messages' text
+_FORMAT_SPEC = re.compile(r"%[^a-zA-Z%]*|\{[^{}]*\}")  # printf-style and str.format fields
+
 
 class ChatTemplateError(PipelineError):
     """A chat template is missing, malformed, refused by the sandbox, or raised an error itself."""
+
+
+class _Refused(Exception):
+    """A template went past one of the render bounds: (expected, found)."""
 
 
 class _RefusingUndefined(Undefined):
@@ -72,14 +91,143 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _environment():
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], undefined=_RefusingUndefined
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+class _BoundedCodeGenerator(CodeGenerator):
+    """Jinja's code generator with a check at every loop iteration and every `~` join: a loop whose body
+    calls nothing would otherwise never meet a bound."""
+
+    def visit_Template(self, node: nodes.Template, frame: Frame | None = None) -> None:
+        for loop in node.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, "_bounded_iter", [], [], None, None, lineno=loop.lineno)
+        super().visit_Template(node, frame)
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("concat((")  # the module's `concat` is environment.concat: _BoundedSandbox.bounded_join
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' chat environment in the immutable sandbox, with bounds on call depth, value sizes
+    and time, checked at every loop iteration, call, operator, filter and join (one per render)."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def __init__(self, max_chars: int):
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], undefined=_RefusingUndefined)
+        self.max_chars, self.depth, self.deadline = max_chars, 0, time.monotonic() + RENDER_SECONDS
+        self.concat = self.bounded_join
+        self.filters["tojson"] = _tojson
+        self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
+        self.filters["_bounded_iter"] = self.bounded_iter
+        self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _Refused(f"a render within {RENDER_SECONDS:g} s", "a template still running (an endless loop?)")
+
+    def budget(self, n: int, what: str) -> None:
+        """A value about to be built: at most `max_chars` characters or items, refused before it exists."""
+        if n > self.max_chars:
+            raise _Refused(f"strings and lists of at most {self.max_chars} characters or items", f"{what} of {n}")
+
+    def sized(self, value: Any, what: str) -> Any:
+        if isinstance(value, (str, list, tuple, dict)):
+            self.budget(len(value), what)
+        return value
+
+    def check_format(self, fmt: str) -> None:
+        """printf / str.format fields whose width or precision would build a huge string."""
+        for spec in _FORMAT_SPEC.findall(fmt):
+            widths = [int(d) for d in re.findall(r"\d+", spec)]
+            if "*" in spec or any(w > self.max_chars for w in widths):
+                raise _Refused(f"format widths of at most {self.max_chars}", f"the field {spec[:40]!r}")
+
+    def check_args(self, args: Iterable[Any], what: str) -> None:
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.max_chars:
+                raise _Refused(f"integer arguments of at most {self.max_chars}", f"{a} passed to {what}")
+
+    def bounded_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        for item in iterable:
+            self.tick()
+            yield item
+
+    def bounded_join(self, parts: Iterable[Any]) -> str:
+        """Jinja's `concat` (macro output, `~`): the total size checked before the string is built."""
+        strings = [p if isinstance(p, str) else str(p) for p in parts]
+        self.budget(sum(map(len, strings)), "a joined string")
+        return "".join(strings)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        self.tick()
+        seqs = (str, list, tuple)
+        if operator == "*" and isinstance(left, seqs + (int,)) and isinstance(right, seqs + (int,)):
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, seqs) and isinstance(n, int):
+                self.budget(len(seq) * max(n, 0), "'*' result")
+        elif operator == "+" and isinstance(left, seqs) and isinstance(right, seqs):
+            self.budget(len(left) + len(right), "'+' result")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            self.budget(right * abs(left).bit_length() // 3, "'**' result (digits)")
+        elif operator == "%" and isinstance(left, str):
+            self.check_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Every call a template makes: time, argument sizes, str methods that multiply, and depth."""
+        self.tick()
+        self.check_args([*args, *kwargs.values()], getattr(obj, "__name__", "a call"))
+        target = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
+        if isinstance(target, str):
+            self.check_str_method(target, getattr(obj, "__name__", ""), args)
+        elif obj is _strftime_now and args and isinstance(args[0], str):
+            self.check_format(args[0])
+        if self.depth >= MAX_CALL_DEPTH:
+            raise _Refused(f"calls nested at most {MAX_CALL_DEPTH} deep", "deeper nesting (a macro that recurses?)")
+        self.depth += 1
+        try:
+            return self.sized(super().call(context, obj, *args, **kwargs), "a call's result")
+        finally:
+            self.depth -= 1
+
+    def check_str_method(self, s: str, name: str, args: tuple) -> None:
+        """The str methods whose result can be far larger than the string and their arguments."""
+        if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            self.budget(len(s) + s.count(args[0]) * len(args[1]), "a replace() result")
+        elif name == "join" and args and isinstance(args[0], (list, tuple)):
+            items = args[0]
+            self.budget(len(s) * len(items) + sum(len(x) for x in items if isinstance(x, str)), "a join() result")
+        elif name == "expandtabs":
+            self.budget(len(s) * max([1, *(a for a in args if isinstance(a, int))]), "an expandtabs() result")
+        elif name in ("format", "format_map"):
+            self.check_format(s)
+
+    def _bounded_filter(self, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        """A filter with the same bounds as a call; `replace`, `join`, `indent` and `format` checked ahead."""
+        first = 2 if getattr(f, "jinja_pass_arg", None) else 1  # context/env first, then the value
+
+        @functools.wraps(f)
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            self.tick()
+            value, rest = (args[first - 1] if len(args) >= first else None), args[first:]
+            self.check_args([*rest, *kwargs.values()], f"the {name} filter")
+            if isinstance(value, str) and name in ("replace", "format", "indent"):
+                if name == "replace":
+                    self.check_str_method(value, "replace", rest)
+                elif name == "format":
+                    self.check_format(value)
+                else:
+                    width = rest[0] if rest else kwargs.get("width", 4)
+                    pad = width if isinstance(width, int) else len(str(width))
+                    self.budget(len(value) + pad * (value.count("\n") + 1), "an indent result")
+            elif name == "join" and isinstance(value, (list, tuple)):
+                self.budget(sum(len(x) for x in value if isinstance(x, str)), "a join result")
+            return self.sized(f(*args, **kwargs), f"the {name} filter's result")
+
+        return bounded
 
 
 def render_chat(
@@ -99,16 +247,24 @@ def render_chat(
         raise ChatTemplateError(
             problem(source, "a Jinja chat template", repr(template)[:60], "use a GGUF with tokenizer.chat_template")
         )
+    messages = [dict(m) for m in messages]
+    text = sum(len(str(v)) for m in messages for v in m.values()) + len(bos_token) + len(eos_token)
+    env = _BoundedSandbox(BASE_CHARS + 4 * text)
     try:
-        compiled = _environment().from_string(template)
-        return compiled.render(
-            messages=[dict(m) for m in messages],
+        compiled = env.from_string(template)
+        chunks = compiled.generate(
+            messages=messages,
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
             tools=None,
             documents=None,
         )
+        return env.bounded_join(_bounded_output(env, chunks))
+    except (_Refused, RecursionError, MemoryError) as e:
+        found = f"{e.args[1]}" if isinstance(e, _Refused) else f"{type(e).__name__}"
+        expected = e.args[0] if isinstance(e, _Refused) else "a template that renders within bounds"
+        raise ChatTemplateError(problem(source, expected, found, _BOUNDED)) from None
     except SecurityError as e:
         raise ChatTemplateError(
             problem(source, "a chat template that stays inside the Jinja sandbox", f"a refused access ({e})", _UNSAFE)
@@ -127,6 +283,17 @@ def render_chat(
         ) from None
 
 
+def _bounded_output(env: _BoundedSandbox, chunks: Iterable[str]) -> Iterator[str]:
+    """The rendered text as it streams out, stopped once it passes the prompt bound."""
+    total = 0
+    for chunk in chunks:
+        env.tick()
+        total += len(chunk)
+        env.budget(total, "a rendered prompt")
+        yield chunk
+
+
+_BOUNDED = "the template loops, recurses or grows without bound; fix it in the GGUF, or use chat=false"
 _UNSAFE = "do not use this model file's chat template (it may be malicious); render the prompt yourself with chat=false"
 _FIX = "fix the template in the GGUF, or use chat=false and write the prompt yourself"
 
