@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -77,24 +78,69 @@ def save_rows(packed: Packed, path: str | os.PathLike[str]) -> Path:
     return Path(path)
 
 
+REPACK = "the pack stage writes it: re-run `dvc repro -f pack`"
+
+
 def load_rows(path: str | os.PathLike[str]) -> Packed:
+    """Instruction rows as `save_rows` wrote them; a corrupt or truncated file is a named error."""
     p = Path(path)
     if not p.is_file():
         raise DataError(problem(str(p), "packed instruction data (.npz)", "no such file", "re-run the data stage"))
-    with np.load(p) as z:
-        stats = json.loads(bytes(z["stats"]).decode())
-        return Packed(z["input_ids"], z["labels"], z["segment_ids"], stats)
+    try:
+        with np.load(p) as z:
+            stats = json.loads(bytes(z["stats"]).decode())
+            rows = Packed(z["input_ids"], z["labels"], z["segment_ids"], stats)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(problem(str(p), "packed instruction rows (.npz)", _unreadable(e), REPACK)) from None
+    shapes = {a.shape for a in (rows.input_ids, rows.labels, rows.segment_ids)}
+    if len(shapes) != 1 or rows.input_ids.ndim != 2 or not isinstance(stats, dict):
+        raise DataError(problem(str(p), "three (rows, seq_len) arrays and stats", f"shapes {sorted(shapes)}", REPACK))
+    return rows
 
 
 def load_meta(packed_dir: Path) -> PackMeta:
-    """The packed data's meta, with a named error when the pack stage has not run."""
+    """The packed data's meta, with a named error when the pack stage has not run or its file is corrupt."""
     path = Path(packed_dir) / META_FILE
     if not path.is_file():
         raise DataError(problem(str(path), "packed data from the pack stage", "no such file", "run: dvc repro pack"))
     try:
-        return PackMeta(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise DataError(problem(str(path), "a pack meta.json", f"unreadable ({e})", "re-run: dvc repro pack")) from None
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
+        raise DataError(problem(str(path), "the pack stage's meta.json", _unreadable(e), REPACK)) from None
+    try:
+        meta = PackMeta(**raw) if isinstance(raw, dict) else None
+    except TypeError as e:  # missing or unknown keys
+        raise DataError(problem(str(path), "the pack stage's meta.json", _unreadable(e), REPACK)) from None
+    bad = _meta_problem(meta) if meta is not None else f"a JSON {type(raw).__name__}, not an object"
+    if bad:
+        raise DataError(problem(str(path), "the pack stage's meta.json", bad, REPACK))
+    return meta
+
+
+def _unreadable(e: Exception) -> str:
+    return f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _meta_problem(m: PackMeta) -> str | None:
+    """What is wrong with a meta's values (types and ranges later stages rely on), or None."""
+    if not _count(m.vocab_size) or m.vocab_size == 0:
+        return f"vocab_size {m.vocab_size!r}"
+    if m.dtype not in ("uint16", "uint32", "int64") or m.format not in ("tokens", "instruct"):
+        return f"dtype {m.dtype!r}, format {m.format!r}"
+    for name, counts in (("tokens", m.tokens), ("documents", m.documents)):
+        if not isinstance(counts, dict) or not all(_count(counts.get(s)) for s in SPLITS):
+            return f"{name} {counts!r}"[:80]
+    for name in ("bos_id", "eos_id"):
+        value = getattr(m, name)
+        if value is not None and not (_count(value) and value < m.vocab_size):
+            return f"{name} {value!r}"
+    if not _count(m.seq_len) or not _count(m.distinct_tokens) or not isinstance(m.tokenizer_fingerprint, str):
+        return f"seq_len {m.seq_len!r}, distinct_tokens {m.distinct_tokens!r}"
+    return None
 
 
 def data_files(packed_dir: Path) -> list[Path]:
