@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from pipeline.errors import GGUFError, problem
+from pipeline.errors import DataError, GGUFError, problem
 from pipeline.files import atomic_dir
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.names import TOKEN_EMBD as EMBEDDING_TENSOR
@@ -50,8 +51,27 @@ class PCAResult:
 
     @classmethod
     def load(cls, path: Path) -> PCAResult:
-        t = load_file(str(path))
-        return cls(t["components"], t["mean"], t["projected"], t["explained_variance_ratio"])
+        """The donor stage's file, checked: a missing, truncated or garbage file is a named error."""
+        try:
+            t = load_file(str(path))
+        except (OSError, SafetensorError) as e:
+            found = "no such file" if isinstance(e, FileNotFoundError) else f"unreadable ({e})"
+            raise DataError(problem(str(path), "the donor stage's PCA (safetensors)", found, _REDONOR)) from None
+        names = ("components", "mean", "projected", "explained_variance_ratio")
+        if sorted(t) != sorted(names):
+            raise DataError(problem(str(path), f"the tensors {list(names)}", f"{sorted(t)}", _REDONOR))
+        result = cls(*(t[n] for n in names))
+        k, width = result.components.shape if result.components.ndim == 2 else (-1, -1)
+        want = {"components": (k, width), "mean": (width,), "projected": result.projected.shape[:1] + (k,)}
+        for name, shape in {**want, "explained_variance_ratio": (k,)}.items():
+            arr = getattr(result, name)
+            if k < 0 or arr.shape != shape or arr.dtype != np.float32 or not np.all(np.isfinite(arr)):
+                found = f"{name} {arr.dtype} {arr.shape} (components {result.components.shape})"
+                raise DataError(problem(str(path), f"finite float32 {name} of shape {shape}", found, _REDONOR))
+        return result
+
+
+_REDONOR = "the donor stage writes it: re-run `dvc repro -f donor`"
 
 
 def read_donor_embeddings(path: Path) -> DonorEmbeddings:
