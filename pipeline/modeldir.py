@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -86,12 +87,23 @@ def is_finetune_dir(model_dir: Path) -> bool:
     return (Path(model_dir) / SPEC_FILE).is_file()
 
 
+def rerun(model_dir: Path) -> str:
+    """The fix for a corrupt file in a model directory: re-run the stage that writes it (train writes
+    train_state.json, realize realize.json; models/train and models/init by name otherwise)."""
+    model_dir = Path(model_dir)
+    if (model_dir / TRAIN_STATE_FILE).is_file() or model_dir.name == "train":
+        return "the train stage writes it: re-run `dvc repro -f train`"
+    if (model_dir / REALIZE_FILE).is_file() or model_dir.name == "init":
+        return "the realize stage writes it: re-run `dvc repro -f realize`"
+    return "re-run the stage that wrote it (`dvc repro -f realize` for models/init, `-f train` for models/train)"
+
+
 def read_spec(model_dir: Path) -> FinetuneSpec:
     path = Path(model_dir) / SPEC_FILE
     try:
         return FinetuneSpec(**_read_json(path, "a fine-tuning spec"))
     except TypeError as e:
-        raise ConfigError(problem(str(path), "a fine-tuning spec", f"unreadable ({e})", "re-run: dvc repro")) from None
+        raise ConfigError(problem(str(path), "a fine-tuning spec", f"unreadable ({e})", rerun(model_dir))) from None
 
 
 def read_train_state(model_dir: Path) -> TrainState | None:
@@ -100,7 +112,10 @@ def read_train_state(model_dir: Path) -> TrainState | None:
     if not path.is_file():
         return None
     known = {f.name for f in fields(TrainState)}
-    return TrainState(**{k: v for k, v in _read_json(path, "a train state").items() if k in known})
+    try:
+        return TrainState(**{k: v for k, v in _read_json(path, "a train state").items() if k in known})
+    except TypeError as e:
+        raise ConfigError(problem(str(path), "a train state", f"unreadable ({e})", rerun(model_dir))) from None
 
 
 def read_realize(model_dir: Path) -> dict[str, Any] | None:
@@ -110,10 +125,55 @@ def read_realize(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object; bad JSON, bytes that are not UTF-8 or another JSON type are a named error."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(problem(str(path), what, f"unreadable ({e})", "re-run: dvc repro")) from None
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(problem(str(path), what, f"unreadable ({e})", rerun(path.parent))) from None
+    if not isinstance(obj, dict):
+        raise ConfigError(problem(str(path), f"{what} (a JSON object)", type(obj).__name__, rerun(path.parent)))
+    return obj
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file of this directory; a truncated or garbage file names the stage that writes it."""
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        found = f"unreadable ({' '.join(str(e).split())[:100]})"
+        raise ConfigError(problem(str(path), "a safetensors file", found, rerun(Path(path).parent))) from None
+
+
+def load_weights_into(model: nn.Module, path: Path) -> None:
+    """`path`'s tensors into `model`, every name and shape checked first (a file of another config is named)."""
+    state = read_weights(path)
+    check_state(model.state_dict(), state, path)
+    model.load_state_dict(state, strict=True)
+
+
+def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], path: Path) -> None:
+    """The saved tensors are exactly the model's, shape for shape."""
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        found = f"missing {missing[:3]}, unexpected {extra[:3]}"
+        raise ConfigError(
+            problem(str(path), "the tensors of the model config.json describes", found, rerun(path.parent))
+        )
+    for name, t in expected.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ConfigError(
+                problem(
+                    f"{path} tensor {name}",
+                    f"shape {tuple(t.shape)} (from config.json)",
+                    f"shape {tuple(state[name].shape)}",
+                    rerun(path.parent),
+                )
+            )
+
+
+def read_config(model_dir: Path) -> TransformerConfig:
+    """`config.json`, type- and range-checked, with the stage that writes it named on any fault."""
+    return TransformerConfig.load(Path(model_dir) / CONFIG_FILE, rerun(model_dir))
 
 
 def _write_json(path: Path, obj: Any, sort_keys: bool = False) -> None:
@@ -177,18 +237,31 @@ def load_model_dir(model_dir: Path) -> nn.Module:
     model_dir = Path(model_dir)
     if not is_finetune_dir(model_dir):
         _require(model_dir, (CONFIG_FILE, MODEL_FILE), "run the stage that writes it")
-        model = build_model(TransformerConfig.load(model_dir / CONFIG_FILE))
-        model.load_state_dict(load_file(str(model_dir / MODEL_FILE)), strict=True)
+        cfg = read_config(model_dir)
+        state = read_weights(model_dir / MODEL_FILE)
+        check_state(_shell(cfg, model_dir).state_dict(), state, model_dir / MODEL_FILE)  # before any allocation
+        model = build_model(cfg)
+        model.load_state_dict(state, strict=True)
         return model
     spec = read_spec(model_dir)
     check_base(spec)
     model = build_finetune(spec.base, spec.mode, spec.lora_config())
     if spec.mode != "full":
         _require(model_dir, (ADAPTER_FILE,), "re-run: dvc repro")
-        load_lora_state_dict(model, load_file(str(model_dir / ADAPTER_FILE)), where=str(model_dir / ADAPTER_FILE))
+        load_lora_state_dict(model, read_weights(model_dir / ADAPTER_FILE), where=str(model_dir / ADAPTER_FILE))
     elif (model_dir / MODEL_FILE).is_file():
-        model.load_state_dict(load_file(str(model_dir / MODEL_FILE)), strict=True)
+        load_weights_into(model, model_dir / MODEL_FILE)
     return model.eval()
+
+
+def _shell(cfg: TransformerConfig, model_dir: Path) -> nn.Module:
+    """The model on the meta device (no memory): its tensor names and shapes, to check a file against."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg)
+    except (RuntimeError, ValueError, OverflowError) as e:
+        found = f"sizes torch cannot build ({' '.join(str(e).split())[:80]})"
+        raise ConfigError(problem(str(model_dir / CONFIG_FILE), "a buildable model", found, rerun(model_dir))) from None
 
 
 def _require(model_dir: Path, names: tuple[str, ...], fix: str) -> None:
@@ -222,4 +295,4 @@ def weight_files(model_dir: Path) -> list[Path]:
 def model_config(model_dir: Path) -> TransformerConfig:
     """The architecture a model directory holds, without loading its weights."""
     _require(Path(model_dir), (CONFIG_FILE,), "run: dvc repro realize")
-    return TransformerConfig.load(Path(model_dir) / CONFIG_FILE)
+    return read_config(model_dir)

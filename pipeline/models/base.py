@@ -61,20 +61,57 @@ class TransformerConfig:
         return cls(**{**shared, "vocab_size": vocab_size, "donor_dim": donor_dim})
 
     @classmethod
-    def from_dict(cls, d: dict) -> TransformerConfig:
+    def from_dict(cls, d: Any, where: str = "model config", fix: str = "re-run realize") -> TransformerConfig:
+        """A config read back from JSON, every field type- and range-checked: a corrupt file is a named
+        error, not a TypeError or a huge allocation when the model is built."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(
-                problem("model config", f"keys among {sorted(known)}", f"unknown keys {unknown}", "re-run realize")
-            )
+        if not isinstance(d, dict):
+            raise ConfigError(problem(where, "a JSON object of model settings", type(d).__name__, fix))
+        unknown, missing = sorted(set(d) - known), sorted(_REQUIRED - set(d))
+        if unknown or missing:
+            found = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
+            raise ConfigError(problem(where, f"keys among {sorted(known)}", found, fix))
+        for key, value in d.items():
+            if not _CHECKS[key](value):
+                raise ConfigError(problem(f"{where} {key}", _EXPECTED[key], f"{value!r}"[:60], fix))
+        if d["d_model"] % d["n_head"] or d["n_head"] % d["n_kv_head"]:
+            found = f"d_model={d['d_model']}, n_head={d['n_head']}, n_kv_head={d['n_kv_head']}"
+            raise ConfigError(problem(where, "n_head dividing d_model and n_kv_head dividing n_head", found, fix))
         if "rope_freq_factors" in d:
             d = {**d, "rope_freq_factors": tuple(d["rope_freq_factors"])}
         return cls(**d)
 
     @classmethod
-    def load(cls, path: Path) -> TransformerConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def load(cls, path: Path, fix: str = "re-run realize") -> TransformerConfig:
+        """`config.json` as written by `to_json`; `fix` names the stage that writes it."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or bytes that are not UTF-8
+            found = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:80]})"
+            raise ConfigError(problem(str(path), "a model config.json", found, fix)) from None
+        return cls.from_dict(d, str(path), fix)
+
+
+_MAX_SIZE = 2**31 - 1  # sizes are int32 in llama.cpp; larger is a corrupt file
+
+
+def _size(low: int) -> Any:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= _MAX_SIZE
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+_CHECKS = {name: _size(1) for name in ("vocab_size", "d_model", "n_head", "n_kv_head", "d_ff", "context_length")}
+_CHECKS |= {"n_layer": _size(0), "donor_dim": _size(0), "rope_theta": _positive, "norm_eps": _positive}
+_CHECKS |= {"tie_embeddings": lambda v: isinstance(v, bool), "arch": lambda v: isinstance(v, str)}
+_CHECKS["rope_freq_factors"] = lambda v: isinstance(v, (list, tuple)) and all(_positive(x) for x in v)
+_EXPECTED = {name: f"an integer in [1, {_MAX_SIZE}]" for name in _CHECKS}
+_EXPECTED |= {"n_layer": f"an integer in [0, {_MAX_SIZE}]", "donor_dim": f"an integer in [0, {_MAX_SIZE}]"}
+_EXPECTED |= {"rope_theta": "a positive number", "norm_eps": "a positive number", "tie_embeddings": "true or false"}
+_EXPECTED |= {"arch": "an architecture name", "rope_freq_factors": "a list of positive numbers"}
+_REQUIRED = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"}
 
 
 class KVCache:
