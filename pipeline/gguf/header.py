@@ -166,10 +166,17 @@ def _field(cur: _Cursor, key: str) -> Field:
     return Field(_value(cur, vtype, f"key {key}"), vtype)
 
 
+def _printable(name: str, what: str) -> str:
+    """A key or tensor name fit to appear in a one-line message: no control characters."""
+    if not name.isprintable():
+        raise _Bad(what, "a name without control characters", repr(name[:60]))
+    return name
+
+
 def _metadata(cur: _Cursor, n_kv: int) -> dict[str, Field]:
     metadata: dict[str, Field] = {}
     for i in range(n_kv):
-        key = cur.string(f"key #{i}")
+        key = _printable(cur.string(f"key #{i}"), f"key #{i}")
         if key in metadata:
             raise _Bad(f"key {key}", "each key once", "it twice")
         metadata[key] = _field(cur, key)
@@ -182,7 +189,7 @@ def _metadata(cur: _Cursor, n_kv: int) -> dict[str, Field]:
 def _tensor_records(cur: _Cursor, n_tensors: int) -> list[tuple[str, tuple[int, ...], int, int]]:
     declared, seen = [], set()
     for i in range(n_tensors):
-        name = cur.string(f"tensor #{i} name")
+        name = _printable(cur.string(f"tensor #{i} name"), f"tensor #{i} name")
         if name in seen:
             raise _Bad(f"tensor {name}", "each tensor name once", "it twice")
         seen.add(name)
