@@ -43,12 +43,16 @@ def write_tiny_gguf(
     embd_type: str = "f32",
     with_embd: bool = True,
     seed: int = 0,
+    model: bool = False,
 ) -> Path:
-    """A minimal GGUF with an embedding table (optionally Q8_0) and the width key."""
+    """A minimal GGUF with an embedding table (optionally Q8_0) and the width key; `model=True` makes
+    it a whole one-block llama with a byte-level BPE tokenizer and a chat template (loadable, runnable)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_embedding_length(declared_width if declared_width is not None else width)
-    w.add_block_count(0)
+    w.add_block_count(1 if model else 0)
+    if model:
+        _add_tiny_model(w, rng, vocab, width)
     if with_embd:
         table = rng.standard_normal((vocab, width)).astype(np.float32)
         # give the table a clear principal structure so PCA has something to find
@@ -58,10 +62,47 @@ def write_tiny_gguf(
             w.add_tensor("token_embd.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor("token_embd.weight", table)
-    else:
+    elif not model:
         w.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+TINY_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "\u0120", *"abcdefghijklmnopqrstuvwxyz.,!?:", "\u010a"]
+TINY_MERGES = ["\u0120 t", "t h", "\u0120t h", "h e", "i n", "\u0120 a", "e r", "o n"]
+TINY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _add_tiny_model(w: gguf.GGUFWriter, rng: np.random.Generator, vocab: int, width: int) -> None:
+    """The keys, one block of tensors and the tokenizer that make `write_tiny_gguf` a whole llama."""
+    heads, d_ff = 2, 2 * width
+    w.add_context_length(32)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(width // heads)
+    w.add_vocab_size(vocab)
+    tokens = TINY_TOKENS + [m.replace(" ", "") for m in TINY_MERGES]
+    tokens += [f"<x{i}>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens[:vocab]])
+    w.add_token_merges(TINY_MERGES)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TINY_TEMPLATE)
+    shapes = {"attn_norm": (width,), "attn_q": (width, width), "attn_k": (width, width), "attn_v": (width, width)}
+    shapes |= {"attn_output": (width, width), "ffn_norm": (width,), "ffn_gate": (d_ff, width)}
+    shapes |= {"ffn_up": (d_ff, width), "ffn_down": (width, d_ff)}
+    for name, shape in shapes.items():
+        arr = np.ones(shape) if len(shape) == 1 else 0.2 * rng.standard_normal(shape)
+        w.add_tensor(f"blk.0.{name}.weight", arr.astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
