@@ -348,3 +348,16 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
         run_stage("train", cfg, lambda ctx: train_body(ctx, plans[0]), resume_run, train_lineage)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2 and len(lines) == 1 and "the donor" in lines[0] and "dvc repro teach" in lines[0]
+
+
+def test_evaluate_reports_bits_per_byte_and_the_gap_to_the_donor(project: Project, tmp_path: Path) -> None:
+    from pipeline.evaluate import reference_metrics
+
+    meta = json.loads((project.packed / "meta.json").read_text())
+    donor = read_meta(project.teach).donor_val_loss
+    out = reference_metrics(4.0, project.packed, project.teach, TCFG.seq_len)
+    assert out["val_bpb"] == pytest.approx(4.0 * meta["tokens"]["val"] / meta["bytes"]["val"] / np.log(2))
+    assert out["donor_val_loss"] == donor and out["gap_to_donor"] == pytest.approx(4.0 - donor)
+    assert out["donor_val_bpb"] == pytest.approx(out["val_bpb"] * donor / 4.0)
+    assert set(reference_metrics(4.0, project.packed, project.teach, 32)) == {"val_bpb"}  # another seq_len
+    assert set(reference_metrics(4.0, project.packed, tmp_path / "none", 16)) == {"val_bpb"}
