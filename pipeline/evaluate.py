@@ -16,8 +16,11 @@ from torch import nn
 
 from pipeline.config import EvaluateConfig, PipelineConfig
 from pipeline.data.instruct import Formatter, read_instruct_jsonl
-from pipeline.data.packed import Packed, is_rows, load_data
+from pipeline.data.packed import Packed, data_files, is_rows, load_data, load_meta
+from pipeline.data.teacher import META_FILE as TEACH_META
+from pipeline.data.teacher import read_meta as read_teach_meta
 from pipeline.errors import PipelineError
+from pipeline.files import sha256_file
 from pipeline.gguf.chat import default_stop_ids
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
@@ -32,9 +35,12 @@ F32_TOLERANCE = 1e-3
 
 
 def run_evaluate(
-    gguf: Path, packed_dir: Path, train_dir: Path, cfg: PipelineConfig, donor: Path
+    gguf: Path, packed_dir: Path, train_dir: Path, cfg: PipelineConfig, donor: Path, teach_dir: Path | None = None
 ) -> tuple[dict[str, float], list[dict[str, str]]]:
     """Val loss/perplexity of the GGUF and samples (greedy and temperature/top-k) per prompt.
+
+    Running text: also bits per byte, and beside it the donor's val loss from the teach stage's
+    record (`teach_dir`, when it measured one on this val split at this seq_len) and the gap to it.
 
     Instruct data: response NLL over the val rows, the base GGUF's (`donor`) beside it for a
     fine-tune, and greedy answers of both to the first held-out prompts.
@@ -46,6 +52,7 @@ def run_evaluate(
     metrics = _val_metrics(model, val, cfg, dev, train_dir, gguf)
     tok = tokenizer_from_gguf(g)
     if not is_rows(val):
+        metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
         return metrics, _text_samples(model, tok, cfg.evaluate)
     base = None
     if cfg.recipe.finetune:
@@ -79,6 +86,25 @@ def _val_metrics(
             f"found {val_loss:.6f}; fix: the export does not reproduce the trained model, re-run export"
         )
     return metrics
+
+
+def reference_metrics(val_loss: float, packed_dir: Path, teach_dir: Path | None, seq_len: int) -> dict[str, float]:
+    """`val_bpb` (nats per token -> bits per UTF-8 byte of the val text, by the split's token/byte
+    ratio) when pack counted bytes; `donor_val_loss`, `donor_val_bpb` and `gap_to_donor` when the
+    teach stage measured the donor on this val split at this seq_len."""
+    meta = load_meta(packed_dir)
+    bits = meta.tokens["val"] / meta.bytes["val"] / math.log(2) if meta.bytes and meta.bytes.get("val") else None
+    out = {} if bits is None else {"val_bpb": val_loss * bits}
+    if teach_dir is None or not (Path(teach_dir) / TEACH_META).is_file():
+        return out
+    teach = read_teach_meta(teach_dir)
+    same_split = teach.val_sha256 == sha256_file(data_files(packed_dir)[2])
+    if teach.donor_val_loss is None or teach.seq_len != seq_len or not same_split:
+        return out
+    out.update(donor_val_loss=teach.donor_val_loss, gap_to_donor=val_loss - teach.donor_val_loss)
+    if bits is not None:
+        out["donor_val_bpb"] = teach.donor_val_loss * bits
+    return out
 
 
 def _text_samples(model: nn.Module, tok: GGUFTokenizer, ecfg: EvaluateConfig) -> list[dict[str, str]]:

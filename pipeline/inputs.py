@@ -10,15 +10,18 @@ re-runs. The built-in sources record the stdlib module they are read from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import source_files
+from pipeline.errors import DataError, problem
 from pipeline.files import atomic_dir, sha256_file, write_json
 
 CORPUS_RECORD = "corpus.json"
 DONOR_RECORD = "donor.json"
+_RERUN = "run: dvc repro inputs"
 
 
 def describe_file(path: Path, name: str) -> dict[str, Any]:
@@ -44,3 +47,14 @@ def run_inputs(data: DataConfig, donor_value: str, donor_file: Path, out_dir: Pa
         for name, record in records.items():
             write_json(tmp / name, record)
     return records
+
+
+def read_record(inputs_dir: Path, name: str = DONOR_RECORD) -> dict[str, Any]:
+    """A record the inputs stage wrote (`donor.json`: what the donor file is), with a named error when absent."""
+    path = Path(inputs_dir) / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(problem(str(path), "the inputs stage's record", "no such file", _RERUN)) from None
+    except ValueError as e:
+        raise DataError(problem(str(path), "a JSON record", f"unreadable ({e})", _RERUN)) from None

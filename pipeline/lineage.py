@@ -16,8 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig
-from pipeline.data.packed import META_FILE, load_meta
+from pipeline.data.packed import META_FILE, data_files, load_meta
+from pipeline.data.teacher import META_FILE as TEACH_META
+from pipeline.data.teacher import read_meta as read_teach_meta
 from pipeline.errors import ConfigError, problem
+from pipeline.files import sha256_file
+from pipeline.inputs import read_record
 from pipeline.modeldir import REALIZE_FILE, read_realize
 
 FIX = (
@@ -67,3 +71,39 @@ def check_init(cfg: PipelineConfig, init_dir: Path) -> dict[str, str]:
     if not cfg.recipe.finetune and isinstance(record.get("model"), dict):
         compare("model", record["model"], asdict(cfg.model), path)
     return {"lineage.init": f"{record.get('recipe', '?')}:{record.get('init', '?')}"}
+
+
+def check_teach(cfg: PipelineConfig, teach_dir: Path, packed_dir: Path, inputs_dir: Path) -> dict[str, str]:
+    """With distillation on: `data/teach` must have been made, in this mode, from this packed train
+    split (sha256 of its tokens) and this donor (the inputs stage's sha256 of it), with at least
+    train.distill.top_k tokens per position. Returns the teacher's lineage tag; {} when off."""
+    d = cfg.train.distill
+    if not d.enabled:
+        return {}
+    meta, record = read_teach_meta(teach_dir), Path(teach_dir) / TEACH_META
+    fix = "rebuild it for this data and donor: `dvc repro teach` (or run teach with this run's overrides)"
+    if meta.mode != d.mode:
+        raise mismatch("train.distill.mode", meta.mode, d.mode, record)
+    train_file = data_files(packed_dir)[1]
+    for what, recorded, actual in (
+        (str(train_file), meta.train_sha256, sha256_file(train_file)),
+        (
+            f"the donor ({Path(inputs_dir) / 'donor.json'})",
+            meta.donor_sha256,
+            read_record(inputs_dir)["file"]["sha256"],
+        ),
+    ):
+        if recorded != actual:
+            raise ConfigError(
+                problem(f"{record}", f"a cache made from {what}, sha256 {actual[:12]}", f"{recorded[:12]}", fix)
+            )
+    if d.mode == "cached" and d.top_k > meta.top_k:
+        raise ConfigError(
+            problem(
+                "config key train.distill.top_k",
+                f"at most {meta.top_k}, the k {record} was cached with",
+                str(d.top_k),
+                f"lower it, or rebuild the cache: dvc exp run -S train.distill.top_k={d.top_k}",
+            )
+        )
+    return {"lineage.teacher": f"{meta.donor_name}:{meta.donor_sha256[:12]}:{meta.mode}:k{meta.top_k}"}

@@ -7,11 +7,16 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_data, load_meta
+from pipeline.data.teacher import TeacherCache
 from pipeline.errors import ConfigError, problem
 from pipeline.files import atomic_dir
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.teach import load_donor
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
@@ -38,10 +43,13 @@ def run_train(
     seed: int,
     hooks: Hooks | None = None,
     plan: CheckpointPlan | None = None,
+    teach_dir: Path | None = None,
+    donor: Path | None = None,
 ) -> TrainResult:
     """Train the model in `init_dir` on `packed_dir`; only the main rank writes `out_dir`.
 
-    `plan` (from `training.resume.plan_checkpoints`) turns on checkpointing and resume.
+    `plan` (from `training.resume.plan_checkpoints`) turns on checkpointing and resume. With
+    distillation on, the teacher is the cache in `teach_dir` (cached) or the `donor` GGUF (online).
     """
     model = load_model_dir(init_dir)
     vocab = load_meta(packed_dir).vocab_size
@@ -57,7 +65,8 @@ def run_train(
     hooks = hooks or Hooks()
     try:
         data = load_data(packed_dir, "train"), load_data(packed_dir, "val")
-        result, _ = train(model, *data, tcfg, optim, seed, hooks, plan, progress=hooks.progress)
+        teacher = load_teacher(tcfg, teach_dir, donor, vocab)
+        result, _ = train(model, *data, tcfg, optim, seed, hooks, plan, progress=hooks.progress, teacher=teacher)
     finally:
         dist.teardown(dist.env_info())
     if result.weights is None:
@@ -84,3 +93,19 @@ def run_train(
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, result.weights, spec, optimizer_state=result.optimizer_state, train_state=state)
     return result
+
+
+def load_teacher(
+    tcfg: TrainConfig, teach_dir: Path | None, donor: Path | None, vocab: int
+) -> TeacherCache | nn.Module | None:
+    """What distillation learns from: the teach stage's cache, or the donor itself (online; with bf16
+    weights when training runs in bf16, as the cache was made); None when distillation is off."""
+    d = tcfg.distill
+    if not d.enabled:
+        return None
+    if d.mode == "cached":
+        return None if teach_dir is None else TeacherCache(teach_dir)
+    if donor is None:
+        return None  # the loop names what is missing
+    model = load_donor(donor, vocab)
+    return model.to(torch.bfloat16) if tcfg.precision == "bf16" else model

@@ -40,7 +40,13 @@ T = TypeVar("T")
 CONFIG_NAME = "config"
 # MLflow's run page draws one chart per key, in sections by prefix (alphabetical, unprefixed last):
 # the loss curves share the first section, the single-value summaries (`summary/`) the next.
-MLFLOW_NAMES = {"train_loss": "loss/train", "val_loss": "loss/val"}
+# With distillation the train loss's two parts are charted beside it (`loss/train_ce`, `loss/train_kd`).
+MLFLOW_NAMES = {
+    "train_loss": "loss/train",
+    "val_loss": "loss/val",
+    "train_ce": "loss/train_ce",
+    "train_kd": "loss/train_kd",
+}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,10 @@ class Paths:
     @property
     def donor(self) -> Path:
         return self.root / "data" / "donor"
+
+    @property
+    def teach(self) -> Path:
+        return self.root / "data" / "teach"
 
     @property
     def init(self) -> Path:

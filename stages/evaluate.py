@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 def body(ctx: StageContext) -> dict[str, float]:
     gguf_path = ctx.paths.export / "model.gguf"
     ctx.add_input("gguf", gguf_path)
-    metrics, samples = run_evaluate(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg, ctx.donor)
+    metrics, samples = run_evaluate(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg, ctx.donor, ctx.paths.teach)
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")
     log.info(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
+    if "gap_to_donor" in metrics:
+        log.info(f"evaluate: donor val loss {metrics['donor_val_loss']:.4f}, gap {metrics['gap_to_donor']:.4f}")
     if "base_val_loss" in metrics:
         log.info(
             f"evaluate: held-out response NLL base {metrics['base_val_loss']:.4f} -> tuned {metrics['val_loss']:.4f}"

@@ -29,8 +29,16 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
     "pack": ("data", "donor.path"),
     "donor": ("donor.path", "model.d_model", "recipe.init"),
+    "teach": (
+        "train.distill.weight",
+        "train.distill.mode",
+        "train.distill.top_k",
+        "train.distill.context",
+        "train.seq_len",
+        "donor.path",
+    ),
     "realize": ("seed", "model", "recipe", "donor.path"),
-    "train": ("seed", "train", "optim"),
+    "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),
 }

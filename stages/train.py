@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.files import write_text
-from pipeline.lineage import check_init, check_packed
+from pipeline.lineage import check_init, check_packed, check_teach
 from pipeline.modeldir import weight_files
 from pipeline.train import run_train, sized
 from pipeline.training.distributed import is_main_process
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
     root = Path(cfg.train.checkpoint_dir)
     root = root if root.is_absolute() else paths.root / root
-    return plan_checkpoints(cfg.train, cfg.optim, cfg.seed, paths.init, paths.packed, root)
+    return plan_checkpoints(cfg.train, cfg.optim, cfg.seed, paths.init, paths.packed, root, teach_dir=paths.teach)
 
 
 def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
@@ -40,12 +40,26 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     for path in weight_files(ctx.paths.init):
         ctx.add_input("init" if path.name == "model.safetensors" else f"init_{path.stem}", path)
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
+    if cfg.train.distill.enabled:
+        ctx.add_input("teach_meta", ctx.paths.teach / "meta.json")
     if plan.resume is not None and is_main_process():
         log.info(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text")
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
-    result = run_train(ctx.paths.init, ctx.paths.packed, ctx.out_dir, cfg.train, cfg.optim, cfg.seed, hooks, plan)
+    donor = ctx.donor if cfg.train.distill.enabled and cfg.train.distill.mode == "online" else None
+    result = run_train(
+        ctx.paths.init,
+        ctx.paths.packed,
+        ctx.out_dir,
+        cfg.train,
+        cfg.optim,
+        cfg.seed,
+        hooks,
+        plan,
+        ctx.paths.teach,
+        donor,
+    )
     if not is_main_process():
         return {}
     write_plots(ctx, result)
@@ -92,6 +106,8 @@ def metrics(result: TrainResult) -> dict[str, float]:
     if result.initial_val_loss is not None:  # instruct rows: the held-out response loss before training
         extra = {"initial_val_loss": result.initial_val_loss, "initial_val_ppl": math.exp(result.initial_val_loss)}
         log.info(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
+    last = result.history[-1] if result.history else {}
+    extra.update({f"final_{k}": last[k] for k in ("train_ce", "train_kd") if k in last})  # distillation's parts
     tps = [h["tokens_per_second"] for h in result.history[1:]] or [0.0]
     return {
         **extra,
@@ -111,8 +127,10 @@ def metrics(result: TrainResult) -> dict[str, float]:
 
 
 def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:
-    """The config must be what data/packed and models/init were made with."""
-    return {**check_packed(cfg, paths.packed), **check_init(cfg, paths.init)}
+    """The config must be what data/packed and models/init were made with; a distillation's
+    data/teach must be of that data and the donor data/inputs recorded."""
+    teach = check_teach(cfg, paths.teach, paths.packed, paths.inputs)
+    return {**check_packed(cfg, paths.packed), **check_init(cfg, paths.init), **teach}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)

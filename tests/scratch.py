@@ -33,6 +33,12 @@ eval_every: 3
 log_every: 1
 device: cpu
 threads: 0
+distill:                 # DVC's params must all be in params.yaml (the teach stage declares these)
+  weight: 0.0
+  temperature: 1.0
+  top_k: 32
+  mode: cached
+  context: 512
 """
 
 

@@ -82,7 +82,7 @@ def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
     "override, start",
     [
         ("optim.lrr=1", "error: config key optim.lrr: expected a key of the config"),
-        ("recipe=lorra", "error: config group recipe: expected one of from-scratch, full-finetune, lora"),
+        ("recipe=lorra", "error: config group recipe: expected one of distill, from-scratch, full-finetune, lora"),
         ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2'"),
         ("+optim.lrr=1", "error: config key optim.lrr"),
     ],

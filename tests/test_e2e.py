@@ -22,7 +22,7 @@ import yaml
 from tests.scratch import make_project, mlflow_runs, ran, run, sh
 
 pytestmark = pytest.mark.slow
-STAGES = ("pack", "donor", "realize", "train", "export", "evaluate")
+STAGES = ("pack", "donor", "teach", "realize", "train", "export", "evaluate")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def first_repro(project: Path) -> str:
 
 
 def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
-    assert ran(first_repro) == ["inputs", "pack", "donor", "realize", "train", "export", "evaluate"]
+    assert ran(first_repro) == ["inputs", *STAGES]
     assert (project / "models" / "export" / "model.gguf").stat().st_size > 0
     evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
     train = json.loads((project / "metrics" / "train.json").read_text())
@@ -54,7 +54,7 @@ def test_second_repro_does_nothing(project: Path, first_repro: str) -> None:
 def test_mlflow_has_one_run_per_stage(project: Path, first_repro: str) -> None:
     client, runs = mlflow_runs(project)
     by_stage = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("parent") != "true"}
-    assert set(by_stage) >= {"pack", "donor", "realize", "train", "export", "evaluate"}
+    assert set(by_stage) >= set(STAGES)
     train = by_stage["train"]
     assert train.info.status == "FINISHED"
     assert train.data.params["optim.lr"] == "0.003" and train.data.tags["recipe"] == "warm-start"
@@ -252,7 +252,7 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     ]
     overrides += ["train.checkpoint_every=0", "evaluate.max_new_tokens=4", "evaluate.prompts=[a]"]
     out = sh(project, "dvc", "exp", "run", *(x for o in overrides for x in ("-S", o)), timeout=1200)
-    assert ran(out) == ["inputs", "pack", "donor", "realize", "train", "export", "evaluate"]
+    assert ran(out) == ["inputs", *STAGES]
     params = (project / "params.yaml").read_text()
     assert "trainable: lora" in params and "source: instruct" in params
     pack = json.loads((project / "metrics" / "pack.json").read_text())

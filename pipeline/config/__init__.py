@@ -10,10 +10,20 @@ from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig,
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
 from pipeline.config.generate import GenerateConfig
 from pipeline.config.model import FINETUNE_MODES, INITS, TRAINABLE, LoraConfig, ModelConfig, RecipeConfig
-from pipeline.config.train import DEVICES, OPTIMIZERS, PARALLEL, PRECISIONS, OptimConfig, TrainConfig
+from pipeline.config.train import (
+    DEVICES,
+    DISTILL_MODES,
+    OPTIMIZERS,
+    PARALLEL,
+    PRECISIONS,
+    DistillConfig,
+    OptimConfig,
+    TrainConfig,
+)
 
 __all__ = [
     "DEVICES",
+    "DISTILL_MODES",
     "EXPORT_TYPES",
     "FINETUNE_MODES",
     "INITS",
@@ -24,6 +34,7 @@ __all__ = [
     "TEMPLATES",
     "TRAINABLE",
     "DataConfig",
+    "DistillConfig",
     "DonorConfig",
     "EvaluateConfig",
     "ExportConfig",

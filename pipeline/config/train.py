@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pipeline.config.checks import at_least, check, choice, positive
+from pipeline.config.checks import at_least, check, choice, integer, positive
 
 PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
+DISTILL_MODES = ("cached", "online")
 
 
 @dataclass
@@ -44,6 +45,33 @@ class OptimConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Distillation from the donor: the loss is (1-weight)*CE(data) + weight*T^2*KL(teacher_T || student_T)
+    over the teacher's top-k tokens plus one bucket for the rest (`pipeline.models.losses`).
+
+    `cached`: the teach stage stores the donor's top-k per train position once (`data/teach`), and
+    batches gather them; `online`: the donor runs on every batch (for corpora too big to cache).
+    """
+
+    weight: float = 0.0  # 0 = off (the teach stage then only records that it is off)
+    temperature: float = 1.0
+    top_k: int = 32  # at most the vocab; in cached mode at most the k the cache was made with
+    mode: str = "cached"  # cached | online
+    context: int = 512  # cached mode: the donor's window; every cached position sees >= train.seq_len tokens
+
+    def __post_init__(self) -> None:
+        check(0 <= self.weight <= 1, "train.distill.weight", "a value in [0, 1]", self.weight, "use 0 (off) to 1")
+        positive(self.temperature, "train.distill.temperature")
+        integer(self.top_k, "train.distill.top_k", 1, "use e.g. 32 (at most the vocab size)")
+        choice(self.mode, "train.distill.mode", DISTILL_MODES)
+        integer(self.context, "train.distill.context", 2, "use e.g. 512 (more than train.seq_len)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass
 class TrainConfig:
     """The training loop: steps, batch shape, precision, validation cadence."""
 
@@ -68,6 +96,7 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
     skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
     parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
@@ -83,3 +112,12 @@ class TrainConfig:
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
         choice(self.parallel, "train.parallel", PARALLEL)
+        d = self.distill
+        if d.enabled and d.mode == "cached":  # overlapping windows advance by context - seq_len
+            check(
+                d.context > self.seq_len,
+                "train.distill.context",
+                f"more than train.seq_len={self.seq_len} (each cached position sees train.seq_len tokens before it)",
+                d.context,
+                f"set train.distill.context to e.g. {4 * self.seq_len}",
+            )

@@ -40,6 +40,7 @@ class PackMeta:
     seq_len: int = 0  # instruct: row length
     stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
     data: dict | None = None  # the data config it was packed with: what later stages check theirs against
+    bytes: dict[str, int] | None = None  # running text: UTF-8 bytes of each split's documents (bits per byte)
 
 
 @dataclass

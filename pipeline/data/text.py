@@ -62,6 +62,7 @@ def pack(docs: list[Document], tok: GGUFTokenizer, cfg: DataConfig, out_dir: Pat
         tokens={name: int(arrays[name].size) for name in SPLITS},
         distinct_tokens=distinct,
         data=asdict(cfg),
+        bytes={name: sum(len(d.text.encode("utf-8")) for d in splits[name]) for name in SPLITS},
     )
     with atomic_dir(out_dir) as tmp:
         for name in SPLITS:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, problem
-from pipeline.models.losses import linear_cross_entropy, select_targets
+from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, select_targets
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
 
@@ -276,6 +276,20 @@ class DecoderLM(nn.Module):
         if torch.is_grad_enabled():
             return linear_cross_entropy(h, self.head_weight(), t)
         return F.cross_entropy(F.linear(h, self.head_weight()).float(), t)
+
+    def distill_loss(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor,
+        teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        weight: float,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(1-weight)*CE + weight*T^2*KL` against the donor's top-k `teacher` = (ids, log-probs, tail)
+        of every position (token windows: no ignored targets), and its detached (CE, KD) parts;
+        chunked as `loss` is (`pipeline.models.losses.linear_distill_loss`)."""
+        h = self.hidden(idx).flatten(0, 1)
+        return linear_distill_loss(h, self.head_weight(), targets.flatten(), teacher, weight, temperature)
 
 
 def init_weights(model: DecoderLM, std: float, seed: int) -> None:

@@ -12,6 +12,19 @@ fp32 (a probability below fp32's smallest normal, a loss above 87 nats, counts a
 of the mean is applied to the two small gradient tensors, never to the (chunk x vocab) one.
 Buffers are allocated once per call. Measured against the plain path and a transformers model
 by benchmarks/train_throughput.py.
+
+Distillation (`linear_distill_loss`) rides on the same pass: `(1-w)*CE + w*T^2*KL(teacher || student)`
+where both distributions are seen through the teacher's top-k tokens plus one bucket holding the
+rest of the mass (k+1 categories), then tempered: `softmax(log p_coarse / T)`. The teacher's side
+comes from its top-k log-probs and its exact tail log-mass (`top_k_targets`); the student's from
+its full-softmax probabilities gathered at those ids, and the sum of all its other probabilities
+(summed directly, never as 1 - sum, so nothing cancels). Why this and not the teacher renormalised
+over its top-k against the student's gathered log-probs: that term is not 0 when the student is the
+teacher (it asks for all mass on the top-k, over-confidence), and renormalising the student as well
+would leave the mass outside the top-k untaught. The coarse KL is 0 exactly when the student
+matches the teacher's top-k probabilities (hence its tail too), is a lower bound of the full KL,
+and at T=1 its logit gradient is the full KL's on the top-k (`s_i - p_i`); the tail bucket's
+gradient is spread over the other tokens in proportion to the student's own probabilities.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as 
 DEFAULT_CHUNK = 1024  # rows per matmul
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
+_TAIL_FLOOR = 1e-30  # the student's tail mass divides its tail gradient; below this it is 0 in all but name
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -91,3 +105,136 @@ def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     if not bool(keep.any()):
         raise ValueError("every target is IGNORE_INDEX: a batch without any position to learn")
     return h[keep], targets[keep]
+
+
+def top_k_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A teacher's targets from its logits rows (N, V): top-k ids (N, k) int64, their fp32 full-softmax
+    log-probs (N, k), descending, and the log of the mass of every other token (N,), exact (-inf when k = V)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = lp.topk(k, dim=-1)
+    tail = torch.logsumexp(lp.scatter_(1, ids, float("-inf")), dim=-1)
+    return ids, values, tail
+
+
+def narrow_targets(
+    ids: torch.Tensor, logp: torch.Tensor, tail: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same targets with only the first `k` of their (descending) ids: the rest joins the tail."""
+    if k >= ids.shape[-1]:
+        return ids, logp, tail
+    rest = torch.logsumexp(torch.cat((logp[..., k:], tail.unsqueeze(-1)), dim=-1), dim=-1)
+    return ids[..., :k], logp[..., :k], rest
+
+
+def _coarse(logp: torch.Tensor, tail: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log of softmax(log p_coarse / T) over the k+1 categories (top-k, then the tail), fp32."""
+    coarse = torch.cat((logp.float(), tail.float().clamp_min(_LOG_TINY).unsqueeze(-1)), dim=-1)
+    return torch.log_softmax(coarse / temperature, dim=-1)
+
+
+_LOG_TINY = float(torch.log(torch.tensor(_TINY)))
+
+
+class _ChunkedLinearDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, t_ids, log_q, weight: float, temperature: float, chunk: int, dtype):
+        n, vocab = h.shape[0], w.shape[0]
+        dev = h.device
+        with torch.autocast(device_type=dev.type, enabled=False):
+            hc_all, wc = h.detach().to(dtype), w.detach().to(dtype)
+            logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
+            block = None if dtype == torch.float32 else torch.empty(BLOCK, vocab, dtype=torch.float32, device=dev)
+            grad_h = torch.empty_like(hc_all)
+            grad_w = None
+            sums = torch.zeros(2, dtype=torch.float32, device=dev)  # summed CE, summed KL
+            for start in range(0, n, chunk):
+                c = min(chunk, n - start)
+                hc = hc_all[start : start + c]
+                z = torch.mm(hc, wc.t(), out=logits[:c])
+                for b in range(0, c, BLOCK):
+                    rows = slice(start + b, start + min(b + BLOCK, c))
+                    sums += _distill_block_(
+                        z[b : b + BLOCK], targets[rows], t_ids[rows], log_q[rows], block, weight, temperature
+                    )
+                torch.mm(z, wc, out=grad_h[start : start + c])
+                part = torch.mm(z.t(), hc)
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+        grad_h = grad_h.float().mul_(1.0 / n) if grad_h.dtype != torch.float32 else grad_h.mul_(1.0 / n)
+        grad_w.mul_(1.0 / n)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        parts = sums / n
+        ctx.mark_non_differentiable(parts)
+        return (1.0 - weight) * parts[0] + weight * parts[1], parts
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, _grad_parts: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        none = (None,) * 7
+        return grad_h.mul_(grad_out).to(ctx.h_dtype), grad_w.mul_(grad_out).to(ctx.w_dtype), *none
+
+
+def _distill_block_(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    ids: torch.Tensor,
+    log_q: torch.Tensor,
+    buf: torch.Tensor | None,
+    weight: float,
+    temperature: float,
+) -> torch.Tensor:
+    """Overwrite logits rows `z` with d loss / d logits (unscaled by 1/N); return (summed CE, summed T^2*KL).
+
+    The softmax `s` is built in place; the top-k entries are taken out (gathered, zeroed) so the
+    tail mass is a plain sum; the gradient is then `(1-w)*(s - onehot)` plus `w*T*(r - q)` on
+    the top-k and `w*T*(r_tail - q_tail) * s_j / s_tail` on every other token.
+    """
+    x = z if buf is None else buf[: z.shape[0]].copy_(z)
+    torch.softmax(x, dim=-1, out=x)
+    r = torch.arange(x.shape[0], device=x.device)
+    ce = x[r, targets].clamp_min(_TINY).log().sum().neg()
+    s_k = x.gather(1, ids)
+    s_tail = x.scatter_(1, ids, 0.0).sum(dim=-1)
+    log_r = _coarse(s_k.clamp_min(_TINY).log(), s_tail.clamp_min(_TINY).log(), temperature)
+    q = log_q.exp()
+    kl = (q * (log_q - log_r)).sum() * temperature**2
+    g = (log_r.exp() - q).mul_(temperature * weight)  # d(w*T^2*KL) / d(log p_coarse)
+    x.mul_(((1.0 - weight) + g[:, -1] / s_tail.clamp_min(_TAIL_FLOOR)).unsqueeze(-1))
+    x.scatter_(1, ids, s_k * (1.0 - weight) + g[:, :-1])
+    x.index_put_((r, targets), torch.full((x.shape[0],), weight - 1.0, device=x.device), accumulate=True)
+    if buf is not None:
+        z.copy_(x)
+    return torch.stack((ce, kl))
+
+
+def linear_distill_loss(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    weight: float,
+    temperature: float,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(1-weight)*CE + weight*T^2*KL` of `h @ w.T` (see the module doc) and its detached parts (CE, KL).
+
+    h (N, d), w (V, d), targets (N,); `teacher` = (ids (..., k), log-probs (..., k), tail log-mass (...))
+    as `top_k_targets` makes them, N positions in all. Memory as `linear_cross_entropy`: one chunk of logits.
+    """
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
+    k = teacher[0].shape[-1]
+    ids, logp, tail = teacher[0].reshape(-1, k), teacher[1].reshape(-1, k), teacher[2].reshape(-1)
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        log_q = _coarse(logp, tail, temperature)
+    return _ChunkedLinearDistill.apply(
+        h, w, targets, ids.long(), log_q, float(weight), float(temperature), chunk, dtype
+    )
+
+
+def head_targets(
+    h: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`top_k_targets` of the logits `h @ w.T` (h (N, d), w (V, d)), a chunk of rows at a time so
+    that only (chunk x V) fp32 logits are ever held."""
+    parts = [top_k_targets(torch.nn.functional.linear(h[i : i + chunk], w), k) for i in range(0, h.shape[0], chunk)]
+    return tuple(torch.cat(p) for p in zip(*parts))

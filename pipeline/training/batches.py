@@ -2,7 +2,9 @@
 
 Token streams give random windows of `train.seq_len + 1` tokens; packed instruction rows give
 epochs over the rows. Each sampler's whole future is its state (`state()` / `set_state()`), which
-checkpoints carry.
+checkpoints carry. With a teacher cache (distillation), a window's batch also carries the cached
+donor targets of its positions, gathered by the window's offset: the cache is fixed, so the
+sampler's state still determines every batch.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Packed, is_rows
-from pipeline.errors import ConfigError, problem
+from pipeline.data.teacher import TeacherCache
+from pipeline.errors import ConfigError, DataError, problem
+from pipeline.models.losses import narrow_targets
 from pipeline.training import distributed as dist
 
 log = logging.getLogger(__name__)
@@ -30,9 +34,11 @@ class BatchSampler:
     def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int):
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
         self.rng = np.random.default_rng(seed)
+        self.starts = np.zeros(0, dtype=np.int64)  # the offsets of the last batch's windows
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size, endpoint=True)
+        self.starts = starts
         rows = np.stack([np.asarray(self.data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
@@ -42,6 +48,25 @@ class BatchSampler:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state
+
+
+class DistillSampler:
+    """A `BatchSampler`'s windows plus the cached donor targets of their positions: (x, y, ids,
+    log-probs, tail), the targets narrowed to `top_k` (`pipeline.models.losses.narrow_targets`)."""
+
+    def __init__(self, windows: BatchSampler, cache: TeacherCache, top_k: int):
+        self.windows, self.cache, self.top_k = windows, cache, top_k
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        x, y = self.windows()
+        arrays = self.cache.gather(self.windows.starts, self.windows.seq_len)
+        return x, y, *narrow_targets(*(torch.from_numpy(a) for a in arrays), self.top_k)
+
+    def state(self) -> dict[str, Any]:
+        return self.windows.state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.windows.set_state(state)
 
 
 class RowSampler:
@@ -87,11 +112,15 @@ class RowSampler:
         self.drawn = int(state["drawn"])
 
 
-def make_sampler(data: np.ndarray | Packed, tcfg: TrainConfig, seed: int) -> BatchSampler | RowSampler:
-    """Seeded batches: random windows of a token stream, or epochs over packed rows."""
+def make_sampler(
+    data: np.ndarray | Packed, tcfg: TrainConfig, seed: int, teacher: object = None
+) -> BatchSampler | DistillSampler | RowSampler:
+    """Seeded batches: random windows of a token stream (with their cached donor targets when
+    `teacher` is a TeacherCache), or epochs over packed rows."""
     if is_rows(data):
         return RowSampler(data, tcfg.batch_size, seed)
-    return BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
+    windows = BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
+    return DistillSampler(windows, teacher, tcfg.distill.top_k) if isinstance(teacher, TeacherCache) else windows
 
 
 def sequence_length(data: np.ndarray | Packed, tcfg: TrainConfig) -> int:
@@ -181,3 +210,44 @@ def warn_overfitting(train_data: Any, tcfg: TrainConfig) -> float:
             "use fewer train.steps or more data (train.max_epochs=0 silences this)"
         )
     return epochs
+
+
+def check_distill(train_data: Any, tcfg: TrainConfig, teacher: object) -> None:
+    """Distillation needs a token stream and the donor's targets for it: the cache of exactly this
+    split, holding at least `train.distill.top_k` tokens per position, or the donor itself (online)."""
+    d = tcfg.distill
+    if not d.enabled:
+        return
+    if is_rows(train_data):
+        raise ConfigError(
+            problem(
+                "config key train.distill.weight",
+                "0 for instruction rows (distillation needs a token corpus)",
+                str(d.weight),
+                "set train.distill.weight=0, or distil on text data",
+            )
+        )
+    if d.mode == "online":
+        if not isinstance(teacher, nn.Module):
+            raise ConfigError(problem("online distillation", "the donor model", type(teacher).__name__, "pass it"))
+        return
+    if not isinstance(teacher, TeacherCache):
+        raise ConfigError(problem("cached distillation", "the teach stage's cache", type(teacher).__name__, "pass it"))
+    if teacher.meta.positions != len(train_data):
+        raise DataError(
+            problem(
+                str(teacher.dir),
+                f"a cache of the {len(train_data)} train positions",
+                f"{teacher.meta.positions} cached positions",
+                "re-run: dvc repro teach",
+            )
+        )
+    if d.top_k > teacher.meta.top_k:
+        raise ConfigError(
+            problem(
+                "config key train.distill.top_k",
+                f"at most {teacher.meta.top_k}, the k {teacher.dir} was cached with",
+                str(d.top_k),
+                f"lower it, or re-run teach with train.distill.top_k={d.top_k} (dvc repro teach)",
+            )
+        )

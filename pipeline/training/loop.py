@@ -24,9 +24,10 @@ from tqdm.auto import tqdm
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Packed, is_rows
+from pipeline.data.teacher import TeacherCache
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
-from pipeline.training.batches import check_batches, make_sampler, sequence_length
+from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
 from pipeline.training.optim import clip_gradients, lbfgs_step, lr_at, nonfinite_message, set_lr
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
@@ -94,16 +95,19 @@ def train(
     hooks: Hooks | None = None,
     plan: CheckpointPlan | None = None,
     progress: bool = True,
+    teacher: TeacherCache | nn.Module | None = None,
 ) -> tuple[TrainResult, torch.optim.Optimizer]:
     """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
 
     The data are token streams (random windows of train.seq_len) or packed instruct rows (epochs
     over the rows, response-only loss, segment-masked attention, an extra validation at step 0 and
     at the end of every epoch). With a `plan`, checkpoints every `train.checkpoint_every` steps
-    and at the end, and continues from `plan.resume` if set.
+    and at the end, and continues from `plan.resume` if set. With `train.distill.weight` > 0,
+    `teacher` is the donor's cached targets of `train_data` (cached mode) or the donor (online).
     """
     check_batches(model, train_data, val_data, tcfg, optim)
-    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan)
+    check_distill(train_data, tcfg, teacher)
+    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher)
     if run.rows and run.state.initial_val_loss is None:  # the base model's held-out loss, before any step
         run.state.initial_val_loss = run.validate()
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
@@ -130,12 +134,15 @@ def train(
 class _Run:
     """One call of `train`: the process set up, the session, the sampler and the loop state."""
 
-    def __init__(self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None):
+    def __init__(
+        self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None, teacher
+    ):
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
         self.device = _prepare(model, tcfg, seed, plan)
-        self.session = Session(model, tcfg, optim, self.device)
+        donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
+        self.session = Session(model, tcfg, optim, self.device, donor)
         self.info = self.session.info
-        self.sampler = make_sampler(train_data, tcfg, seed)
+        self.sampler = make_sampler(train_data, tcfg, seed, teacher if tcfg.distill.enabled else None)
         self.rows = is_rows(train_data)
         self.tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
         resume = None if plan is None else plan.resume
@@ -175,7 +182,7 @@ class _Run:
             if not self.tcfg.skip_nonfinite or self.optim.name == "lbfgs":
                 raise NonFiniteError(nonfinite_message(step + 1, loss, grad_norm, self.last_checkpoint, self.optim))
             self.state.skipped_steps += 1
-        row = {"train_loss": loss, "lr": lr, "grad_norm": grad_norm}
+        row = {"train_loss": loss, **self.session.loss_parts(), "lr": lr, "grad_norm": grad_norm}
         row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
         if self.tcfg.skip_nonfinite:
             row["skipped_steps"] = float(self.state.skipped_steps)
@@ -186,6 +193,7 @@ class _Run:
         return row, int(self.sampler.epoch) > epoch_before
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        self.session.forward.parts.clear()  # an L-BFGS step may evaluate several times: keep the last
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):

@@ -20,6 +20,7 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import data_files
+from pipeline.data.teacher import META_FILE as TEACH_META
 from pipeline.errors import ConfigError, problem
 from pipeline.files import fingerprint
 from pipeline.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_files, write_weights
@@ -72,9 +73,19 @@ class CheckpointPlan:
 
 
 def compat_dict(
-    model_cfg: TransformerConfig, tcfg: TrainConfig, optim: OptimConfig, seed: int, init_fp: str, data_fp: str
+    model_cfg: TransformerConfig,
+    tcfg: TrainConfig,
+    optim: OptimConfig,
+    seed: int,
+    init_fp: str,
+    data_fp: str,
+    teacher_fp: str | None = None,
 ) -> dict[str, Any]:
-    """What must match for a checkpoint to continue this run, as JSON values (the form it is saved in)."""
+    """What must match for a checkpoint to continue this run, as JSON values (the form it is saved in).
+
+    With distillation on, its settings and the teacher (the teach stage's record) too; with it off
+    the dict is what it was before distillation existed, so older checkpoints still resume.
+    """
     compat = {
         "model": asdict(model_cfg),
         "init_weights": init_fp,
@@ -83,6 +94,8 @@ def compat_dict(
         "train": {k: getattr(tcfg, k) for k in TRAJECTORY_KEYS},
         "optim": asdict(optim),
     }
+    if tcfg.distill.enabled:
+        compat["distill"] = {**asdict(tcfg.distill), "teacher": teacher_fp}
     return json.loads(json.dumps(compat))
 
 
@@ -94,12 +107,14 @@ def plan_checkpoints(
     packed_dir: Path,
     checkpoint_dir: Path,
     report: Callable[[str], None] | None = None,
+    teach_dir: Path | None = None,
 ) -> CheckpointPlan:
     """The checkpoint directory of this configuration and the checkpoint to resume from, if any.
 
     `train.resume=auto`: the newest valid checkpoint of this configuration (corrupt ones are
     reported and skipped); `never`: none; a path: that checkpoint, which must have been made with
-    this configuration (else a ConfigError naming the differing keys).
+    this configuration (else a ConfigError naming the differing keys). `teach_dir`: the teach
+    stage's output, whose record identifies the teacher of a distillation run.
     """
     data_fp = fingerprint(data_files(packed_dir))  # a named error when the pack stage has not run
     weights = weight_files(init_dir)
@@ -107,7 +122,9 @@ def plan_checkpoints(
         raise ConfigError(
             problem(str(init_dir), "initial weights (config.json + weights)", "no such files", "run: dvc repro realize")
         )
-    compat = compat_dict(model_config(init_dir), tcfg, optim, seed, fingerprint(weights), data_fp)
+    teach_meta = None if teach_dir is None else Path(teach_dir) / TEACH_META
+    teacher_fp = fingerprint([teach_meta]) if tcfg.distill.enabled and teach_meta and teach_meta.is_file() else None
+    compat = compat_dict(model_config(init_dir), tcfg, optim, seed, fingerprint(weights), data_fp, teacher_fp)
     root = Path(checkpoint_dir) / ckpt.config_key(compat)
     plan = CheckpointPlan(root, compat, None, tcfg.keep_checkpoints, tcfg.checkpoint_every)
     if tcfg.resume == "auto":

@@ -10,22 +10,45 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.config import OptimConfig, TrainConfig
+from pipeline.config import DistillConfig, OptimConfig, TrainConfig
+from pipeline.models.losses import head_targets
 from pipeline.training import distributed as dist
 from pipeline.training.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state
 
 
 class Forward(nn.Module):
     """One module whose forward is the training loss (or logits without targets), so that DDP's and
-    FSDP's forward hooks wrap exactly what a step runs."""
+    FSDP's forward hooks wrap exactly what a step runs.
 
-    def __init__(self, model: nn.Module):
+    With distillation on, the loss is the model's `distill_loss` against the donor's targets: the
+    batch's cached ones, or (online) the donor's top-k on this very batch. The donor is held
+    outside the module's parameters (a plain list), so no wrapper, optimizer or checkpoint sees it.
+    """
+
+    def __init__(self, model: nn.Module, distill: DistillConfig | None = None, donor: nn.Module | None = None):
         super().__init__()
         self.model = model
+        self.distill = distill if distill is not None and distill.enabled else None
+        self._donor = [] if donor is None else [donor]
+        self.parts: list[torch.Tensor] = []  # detached (CE, KD) of each distillation micro-batch
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *extra: torch.Tensor) -> torch.Tensor:
-        """`extra`: what else the batch holds for the loss (instruct rows: segment ids)."""
-        return self.model(idx) if targets is None else self.model.loss(idx, targets, *extra)
+        """`extra`: what else the batch holds for the loss (instruct rows: segment ids; distillation:
+        the cached donor ids, log-probs and tail)."""
+        if targets is None:
+            return self.model(idx)
+        if self.distill is None:
+            return self.model.loss(idx, targets, *extra)
+        teacher = tuple(extra) if extra else self.online_targets(idx)
+        loss, parts = self.model.distill_loss(idx, targets, teacher, self.distill.weight, self.distill.temperature)
+        self.parts.append(parts)
+        return loss
+
+    @torch.no_grad()
+    def online_targets(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The donor's top-k targets for every position of `idx` (it sees exactly the student's window)."""
+        donor = self._donor[0]
+        return head_targets(donor.hidden(idx).flatten(0, 1), donor.head_weight(), self.distill.top_k)
 
 
 def trainable_names(model: nn.Module) -> set[str]:
@@ -37,11 +60,20 @@ class Session:
     """The model, its DDP/FSDP wrapper and optimizer in one process; snapshots hold only what trains
     (a frozen base, as in LoRA, is re-read from its file)."""
 
-    def __init__(self, model: nn.Module, tcfg: TrainConfig, optim: OptimConfig, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        tcfg: TrainConfig,
+        optim: OptimConfig,
+        device: torch.device,
+        donor: nn.Module | None = None,
+    ):
+        """`donor`: the teacher of online distillation (moved to `device`, never trained)."""
         self.model, self.device = model, device
         self.info = dist.env_info()
         self.fsdp = self.info.enabled and tcfg.parallel == "fsdp"
-        self.module = dist.wrap(Forward(model), tcfg.parallel, self.info, device)
+        self.forward = Forward(model, tcfg.distill, None if donor is None else donor.to(device))
+        self.module = dist.wrap(self.forward, tcfg.parallel, self.info, device)
         self.opt = make_optimizer(self.module, optim)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.eval_module = self.module if self.fsdp else model
@@ -74,6 +106,14 @@ class Session:
                 "param_groups": [{**g, "params": [_unprefix(n) for n in g["params"]]} for g in osd["param_groups"]],
             }
         return weights, osd
+
+    def loss_parts(self) -> dict[str, float]:
+        """The train loss's two parts over the last step's micro-batches (mean over ranks too):
+        `train_ce`, `train_kd`; {} without distillation. Every rank calls it (a collective)."""
+        if not self.forward.parts:
+            return {}
+        ce, kd = dist.mean_across(torch.stack(self.forward.parts).mean(0), self.info).tolist()
+        return {"train_ce": ce, "train_kd": kd}
 
     def _kept(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return state if self.keep is None else {k: v for k, v in state.items() if k in self.keep}

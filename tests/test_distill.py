@@ -1,0 +1,363 @@
+"""Distillation from the donor: the top-k KL against a naive full-logits reference, plain CE at
+weight 0, zero KL when the student is the teacher; the teach cache against a direct donor forward;
+the named refusals (config values, a cache of other data or another donor, top_k beyond the vocab
+or the cache, instruction rows); bit-exact resume with a cached and an online teacher; and the two
+stages in-process, with the CE and KD parts in MLflow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
+from pipeline.data.corpus import load_documents
+from pipeline.data.packed import load_split
+from pipeline.data.teacher import META_FILE, TeacherCache, read_meta
+from pipeline.data.text import pack
+from pipeline.errors import ConfigError, DataError
+from pipeline.files import sha256_file
+from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.inputs import donor_record
+from pipeline.lineage import check_teach
+from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.models.llama_gguf import export_llama
+from pipeline.models.losses import (
+    head_targets,
+    linear_cross_entropy,
+    linear_distill_loss,
+    narrow_targets,
+    top_k_targets,
+)
+from pipeline.realize import realize
+from pipeline.teach import load_donor, run_teach, teacher_windows
+from pipeline.train import load_teacher
+from pipeline.training import checkpoint as ckpt
+from pipeline.training.loop import train
+from pipeline.training.resume import plan_checkpoints
+from stages.common import typed_config
+from stages.compose import compose_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = torch.device("cpu")
+VOCAB = 49152
+STUDENT = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
+# a sharper donor than a default init, so its top-k is well separated
+DONOR = ModelConfig(d_model=48, n_layer=2, n_head=4, n_kv_head=2, d_ff=96, context_length=64, init_std=0.3)
+DISTILL = DistillConfig(weight=0.5, top_k=8, context=48)
+TCFG = TrainConfig(
+    steps=8,
+    batch_size=4,
+    seq_len=16,
+    eval_every=4,
+    log_every=1,
+    checkpoint_every=2,
+    keep_checkpoints=3,
+    distill=DISTILL,
+)
+
+
+@dataclass
+class Project:
+    root: Path
+    donor: Path
+
+    @property
+    def packed(self) -> Path:
+        return self.root / "data" / "packed"
+
+    @property
+    def inputs(self) -> Path:
+        return self.root / "data" / "inputs"
+
+    @property
+    def teach(self) -> Path:
+        return self.root / "data" / "teach"
+
+    def teach_with(self, tcfg: TrainConfig, out: Path, precision: str = "fp32"):
+        record = json.loads((self.inputs / "donor.json").read_text())
+        return run_teach(self.donor, record, self.packed, out, tcfg, CPU, progress=False, precision=precision)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, smollm2) -> Project:
+    """Real packed text, tiny student weights, a tiny donor GGUF, its inputs record and a teach cache."""
+    root = tmp_path_factory.mktemp("distill")
+    docs = load_documents(DataConfig())[:4]
+    meta, _ = pack(docs, tokenizer_from_gguf(smollm2), DataConfig(val_fraction=0.25), root / "data" / "packed")
+    (root / "models" / "init").mkdir(parents=True)
+    save_model_dir(root / "models" / "init", realize(STUDENT, "scratch", meta.vocab_size, 0))
+    donor = export_llama(realize(DONOR, "scratch", VOCAB, 1), root / "donor.gguf", {}, {"general.name": "tiny"}, "f32")
+    (root / "data" / "inputs").mkdir(parents=True)
+    (root / "data" / "inputs" / "donor.json").write_text(json.dumps(donor_record(str(donor), donor)))
+    p = Project(root, donor)
+    p.teach_with(TCFG, p.teach)
+    return p
+
+
+def naive_distill(h, w, y, t_logits, k, weight, temperature):
+    """The loss from full logits: both distributions over the teacher's top-k plus one bucket for the rest."""
+    logits = (h @ w.t()).float()
+    t_lp, s_lp = torch.log_softmax(t_logits.float(), -1), torch.log_softmax(logits, -1)
+    top, ids = t_lp.topk(k, -1)
+    rest = torch.zeros_like(t_lp, dtype=torch.bool).scatter_(1, ids, True)
+
+    def coarse(lp_k, lp):
+        tail = torch.logsumexp(lp.masked_fill(rest, float("-inf")), -1, keepdim=True)
+        return torch.log_softmax(torch.cat((lp_k, tail), -1) / temperature, -1)
+
+    log_q, log_r = coarse(top, t_lp), coarse(s_lp.gather(1, ids), s_lp)
+    kl = (log_q.exp() * (log_q - log_r)).sum(-1).mean() * temperature**2
+    return (1 - weight) * F.cross_entropy(logits, y) + weight * kl
+
+
+def random_case(n=300, d=16, vocab=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = (torch.randn(vocab, d, generator=g) * 0.5).requires_grad_()
+    return h, w, torch.randint(0, vocab, (n,), generator=g), torch.randn(n, vocab, generator=g) * 2
+
+
+@pytest.mark.parametrize(("weight", "temperature"), [(0.5, 1.0), (1.0, 1.0), (0.9, 2.0), (0.3, 0.5)])
+def test_top_k_kl_matches_a_naive_full_logits_reference(weight: float, temperature: float) -> None:
+    h, w, y, t_logits = random_case()
+    ref = naive_distill(h, w, y, t_logits, 8, weight, temperature)
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    # cached with k=12, used with k=8: the 4 dropped tokens join the tail exactly
+    teacher = narrow_targets(*top_k_targets(t_logits, 12), 8)
+    loss, parts = linear_distill_loss(h, w, y, teacher, weight, temperature, chunk=128)
+    grads = torch.autograd.grad(loss, (h, w))
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    assert float((1 - weight) * parts[0] + weight * parts[1]) == pytest.approx(float(loss.detach()), rel=1e-6)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_weight_zero_is_plain_cross_entropy(precision: str) -> None:
+    h, w, y, t_logits = random_case(seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        plain = linear_cross_entropy(h, w, y, chunk=128)
+        distill, parts = linear_distill_loss(h, w, y, top_k_targets(t_logits, 8), 0.0, 1.0, chunk=128)
+    assert torch.equal(plain, distill) and float(parts[0]) == float(plain.detach())
+    for a, b in zip(torch.autograd.grad(plain, (h, w)), torch.autograd.grad(distill, (h, w))):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_kd_is_zero_when_the_student_is_the_teacher(temperature: float) -> None:
+    model = realize(DONOR, "scratch", 1000, 3)
+    x = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        teacher = head_targets(model.hidden(x).flatten(0, 1), model.head_weight(), 16)
+    loss, parts = model.distill_loss(x, x.roll(-1, 1), teacher, 1.0, temperature)
+    loss.backward()
+    assert float(parts[1]) < 1e-6 and float(loss.detach()) < 1e-6
+    assert max(p.grad.abs().max().item() for p in model.parameters()) < 1e-5
+
+
+def test_teacher_windows_tile_the_stream_with_seq_len_of_context() -> None:
+    for n, context, seq_len in [(1000, 48, 16), (1001, 512, 128), (40, 48, 16), (97, 20, 7)]:
+        windows = teacher_windows(n, context, seq_len)
+        kept = [p for _, keep, end in windows for p in range(keep, end)]
+        assert kept == list(range(n))
+        assert all(end - start == min(context, n) for start, _, end in windows)
+        assert all(keep - start >= seq_len for start, keep, _ in windows[1:])
+
+
+def test_teach_cache_round_trips_against_a_direct_donor_forward(project: Project) -> None:
+    cache = TeacherCache(project.teach)
+    tokens = load_split(project.packed, "train")
+    assert cache.meta.positions == len(tokens) and cache.ids.dtype == np.uint16 and cache.logprobs.dtype == np.float16
+    assert cache.meta.train_sha256 == sha256_file(project.packed / "train.bin")
+    assert cache.meta.donor_sha256 == sha256_file(project.donor) and cache.meta.donor_val_loss > 0
+    donor = load_donor(project.donor, VOCAB)
+    windows = teacher_windows(len(tokens), DISTILL.context, TCFG.seq_len)
+    for start, keep, end in (windows[0], windows[1], windows[len(windows) // 2], windows[-1]):
+        with torch.no_grad():
+            lp = torch.log_softmax(donor(torch.from_numpy(np.asarray(tokens[start:end], dtype=np.int64))[None])[0], -1)
+        lp = lp[keep - start :]
+        ids = torch.from_numpy(cache.ids[keep:end].astype(np.int64))
+        cached = torch.from_numpy(cache.logprobs[keep:end].astype(np.float32))
+        assert torch.allclose(cached, lp.gather(1, ids), atol=2e-2, rtol=1e-3)  # float16
+        kth = lp.topk(DISTILL.top_k, -1).values[:, -1:]
+        assert bool((lp.gather(1, ids) >= kth - 1e-5).all())  # they are the top-k (ties aside)
+        rest = torch.logsumexp(lp.scatter(1, ids, float("-inf")), -1)
+        assert torch.allclose(torch.from_numpy(np.array(cache.tail[keep:end])), rest, atol=1e-4)
+    ids, logp, tail = cache.gather(np.array([0, 3]), 16)
+    assert ids.shape == (2, 16, 8) and np.array_equal(ids[1, 0], cache.ids[3]) and tail.shape == (2, 16)
+    assert logp.dtype == np.float32 and np.array_equal(logp[0, 5], cache.logprobs[5].astype(np.float32))
+
+
+def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Project, tmp_path: Path) -> None:
+    meta, metrics = project.teach_with(replace(TCFG, distill=DistillConfig()), tmp_path / "off")
+    assert meta.mode == "off" and sorted(p.name for p in (tmp_path / "off").iterdir()) == [META_FILE]
+    assert metrics["cached_positions"] == 0 and read_meta(tmp_path / "off").donor_val_loss is None
+    with pytest.raises(DataError, match="mode cached"):
+        TeacherCache(tmp_path / "off")
+
+
+def test_teach_refuses_top_k_beyond_the_vocab_and_instruction_rows(project: Project, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        project.teach_with(replace(TCFG, distill=replace(DISTILL, top_k=VOCAB + 1)), tmp_path / "t")
+    assert "train.distill.top_k" in str(err.value) and str(VOCAB) in str(err.value) and "\n" not in str(err.value)
+    rows = tmp_path / "rows"
+    shutil.copytree(project.packed, rows)
+    meta = json.loads((rows / "meta.json").read_text())
+    (rows / "meta.json").write_text(json.dumps({**meta, "format": "instruct", "source": "instruct"}))
+    (rows / "train.npz").write_bytes(b"rows")
+    record = json.loads((project.inputs / "donor.json").read_text())
+    with pytest.raises(DataError, match="distillation needs|a token corpus"):
+        run_teach(project.donor, record, rows, tmp_path / "t2", TCFG, CPU, progress=False)
+    assert not (tmp_path / "t2").exists()
+
+
+@pytest.mark.parametrize(
+    ("distill", "key"),
+    [
+        ("train.distill.weight=1.5", "train.distill.weight"),
+        ("train.distill.temperature=0", "train.distill.temperature"),
+        ("train.distill.top_k=0", "train.distill.top_k"),
+        ("train.distill.mode=live", "train.distill.mode"),
+        ("train.distill.context=128", "train.distill.context"),  # not more than train.seq_len=128
+    ],
+)
+def test_bad_distill_values_are_rejected_naming_the_key(distill: str, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        typed_config(compose_config(["train.distill.weight=0.5", distill]))
+    assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_recipe_distill_sets_the_weight() -> None:
+    cfg = typed_config(compose_config(["recipe=distill"]))
+    assert cfg.recipe.init == "pca" and cfg.train.distill.weight > 0
+    assert typed_config(compose_config(["recipe=distill", "train.distill.weight=0.9"])).train.distill.weight == 0.9
+
+
+def test_train_refuses_a_cache_of_other_data_or_donor_or_too_small_a_k(project: Project, tmp_path: Path) -> None:
+    cfg = PipelineConfig(train=TCFG)
+    assert check_teach(cfg, project.teach, project.packed, project.inputs)["lineage.teacher"].endswith(":cached:k8")
+    assert check_teach(PipelineConfig(), tmp_path / "absent", project.packed, project.inputs) == {}  # off: no check
+    stale = tmp_path / "teach"
+    shutil.copytree(project.teach, stale)
+    meta = json.loads((stale / META_FILE).read_text())
+    for changed, named in (({"train_sha256": "0" * 64}, "train.bin"), ({"donor_sha256": "1" * 64}, "donor")):
+        (stale / META_FILE).write_text(json.dumps({**meta, **changed}))
+        with pytest.raises(ConfigError) as err:
+            check_teach(cfg, stale, project.packed, project.inputs)
+        assert named in str(err.value) and "dvc repro teach" in str(err.value) and "\n" not in str(err.value)
+    wide = PipelineConfig(train=replace(TCFG, distill=replace(DISTILL, top_k=16)))
+    with pytest.raises(ConfigError, match="train.distill.top_k: expected at most 8"):
+        check_teach(wide, project.teach, project.packed, project.inputs)
+    model = load_model_dir(project.root / "models" / "init")
+    data = load_split(project.packed, "train"), load_split(project.packed, "val")
+    with pytest.raises(ConfigError, match="train.distill.top_k: expected at most 8"):
+        train(model, *data, wide.train, OptimConfig(), 0, progress=False, teacher=TeacherCache(project.teach))
+
+
+def run_distill(project: Project, tcfg: TrainConfig, ckpt_dir: Path):
+    optim = OptimConfig(warmup_steps=2)
+    plan = plan_checkpoints(
+        tcfg, optim, 0, project.root / "models/init", project.packed, ckpt_dir, teach_dir=project.teach
+    )
+    model = load_model_dir(project.root / "models" / "init")
+    teacher = load_teacher(tcfg, project.teach, project.donor, VOCAB)
+    data = load_split(project.packed, "train"), load_split(project.packed, "val")
+    result, _ = train(model, *data, tcfg, optim, 0, progress=False, plan=plan, teacher=teacher)
+    return model, result, plan
+
+
+@pytest.mark.parametrize("mode", ["cached", "online"])
+def test_resume_with_distillation_is_bit_identical(project: Project, tmp_path: Path, mode: str) -> None:
+    tcfg = replace(TCFG, distill=replace(DISTILL, mode=mode))
+    full, full_result, plan = run_distill(project, tcfg, tmp_path)
+    assert plan.compat["distill"]["mode"] == mode and plan.compat["distill"]["teacher"]
+    assert all({"train_ce", "train_kd"} <= set(h) for h in full_result.history)
+    first = full_result.history[0]
+    assert first["train_loss"] == pytest.approx(0.5 * first["train_ce"] + 0.5 * first["train_kd"], rel=1e-5)
+    for s in (8, 6):
+        shutil.rmtree(plan.root / ckpt.step_name(s))
+    resumed, result, _ = run_distill(project, tcfg, tmp_path)
+    assert result.resumed_from == 4
+    for k, v in full.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    assert [(h["train_loss"], h["train_kd"]) for h in result.history] == [
+        (h["train_loss"], h["train_kd"]) for h in full_result.history
+    ]
+
+
+def test_checkpoints_of_a_run_without_distillation_keep_their_key(project: Project, tmp_path: Path) -> None:
+    off = replace(TCFG, distill=DistillConfig())
+    plan = plan_checkpoints(off, OptimConfig(), 0, project.root / "models/init", project.packed, tmp_path)
+    assert "distill" not in plan.compat
+    on = plan_checkpoints(TCFG, OptimConfig(), 0, project.root / "models/init", project.packed, tmp_path)
+    assert on.root != plan.root and asdict(DISTILL).items() <= on.compat["distill"].items()
+
+
+def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
+    project: Project, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from stages.common import run_stage
+    from stages.teach import body as teach_body
+    from stages.train import body as train_body
+    from stages.train import checkpoint_plan
+    from stages.train import lineage as train_lineage
+
+    root = tmp_path / "project"
+    shutil.copytree(project.root, root, ignore=shutil.ignore_patterns("teach"))
+    monkeypatch.chdir(root)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = compose_config(
+        [f"donor.path={root / 'donor.gguf'}", "data.val_fraction=0.25", "train.device=cpu", "train.threads=1"]
+        + ["train.steps=4", "train.batch_size=4", "train.seq_len=16", "train.eval_every=4", "train.log_every=1"]
+        + ["train.distill.weight=0.5", "train.distill.top_k=8", "train.distill.context=48"]
+        + [f"train.checkpoint_dir={tmp_path / 'checkpoints'}"]
+    )
+    teach = run_stage("teach", cfg, teach_body)
+    assert teach["cached_positions"] == len(load_split(root / "data/packed", "train"))
+    assert json.loads((root / "metrics" / "teach.json").read_text())["donor_val_loss"] == teach["donor_val_loss"]
+    assert read_meta(root / "data" / "teach").precision == "bf16"
+    plans = []
+
+    def resume_run(typed, paths):
+        plans.append(checkpoint_plan(typed, paths))
+        return None
+
+    metrics = run_stage("train", cfg, lambda ctx: train_body(ctx, plans[0]), resume_run, train_lineage)
+    assert metrics["final_train_kd"] > 0 and metrics["final_train_ce"] > 0
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("smollm-pipeline").experiment_id], "tags.stage = 'train'"
+    )
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss/train_kd")] == [1, 2, 3, 4]
+    assert run.data.tags["lineage.teacher"].startswith("donor.gguf:")
+    record = root / "data" / "inputs" / "donor.json"
+    other = json.loads(record.read_text())
+    other["file"]["sha256"] = "f" * 64
+    record.write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage("train", cfg, lambda ctx: train_body(ctx, plans[0]), resume_run, train_lineage)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "the donor" in lines[0] and "dvc repro teach" in lines[0]
+
+
+def test_evaluate_reports_bits_per_byte_and_the_gap_to_the_donor(project: Project, tmp_path: Path) -> None:
+    from pipeline.evaluate import reference_metrics
+
+    meta = json.loads((project.packed / "meta.json").read_text())
+    donor = read_meta(project.teach).donor_val_loss
+    out = reference_metrics(4.0, project.packed, project.teach, TCFG.seq_len)
+    assert out["val_bpb"] == pytest.approx(4.0 * meta["tokens"]["val"] / meta["bytes"]["val"] / np.log(2))
+    assert out["donor_val_loss"] == donor and out["gap_to_donor"] == pytest.approx(4.0 - donor)
+    assert out["donor_val_bpb"] == pytest.approx(out["val_bpb"] * donor / 4.0)
+    assert set(reference_metrics(4.0, project.packed, project.teach, 32)) == {"val_bpb"}  # another seq_len
+    assert set(reference_metrics(4.0, project.packed, tmp_path / "none", 16)) == {"val_bpb"}
