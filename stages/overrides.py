@@ -27,8 +27,8 @@ from pipeline.files import flatten
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
     "pack": ("data", "donor.path"),
-    "donor": ("donor.path", "model.d_model", "recipe.init"),
-    "realize": ("seed", "model", "recipe", "donor.path"),
+    "donor": ("donor.path", "model.d_model", "recipe.init", "recipe.subclone"),
+    "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len"),
     "train": ("seed", "train", "optim"),
     "export": ("export", "donor.path", "recipe.lora.dropout"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),

@@ -9,7 +9,16 @@ so every layer may import them.
 from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
 from pipeline.config.generate import GenerateConfig
-from pipeline.config.model import FINETUNE_MODES, INITS, TRAINABLE, LoraConfig, ModelConfig, RecipeConfig
+from pipeline.config.model import (
+    FINETUNE_MODES,
+    INITS,
+    LAYER_RULES,
+    TRAINABLE,
+    LoraConfig,
+    ModelConfig,
+    RecipeConfig,
+    SubcloneConfig,
+)
 from pipeline.config.train import DEVICES, OPTIMIZERS, PARALLEL, PRECISIONS, OptimConfig, TrainConfig
 
 __all__ = [
@@ -17,6 +26,7 @@ __all__ = [
     "EXPORT_TYPES",
     "FINETUNE_MODES",
     "INITS",
+    "LAYER_RULES",
     "OPTIMIZERS",
     "PARALLEL",
     "PRECISIONS",
@@ -33,6 +43,7 @@ __all__ = [
     "OptimConfig",
     "PipelineConfig",
     "RecipeConfig",
+    "SubcloneConfig",
     "TrackingConfig",
     "TrainConfig",
 ]
