@@ -6,6 +6,9 @@ rescaled to the init std. `lens`: the embedding table stays donor-width (centere
 trainable donor_d x d_model projection starts at the PCA components, so at step 0 `pca` and `lens`
 compute the same function.
 
+`subclone`: every weight from the donor (layers, heads, FFN neurons, the residual stream rotated
+and sliced; pipeline/transfer.py), with the student's val loss before any training step.
+
 A fine-tune (`recipe.init=base`): the base GGUF at donor.path, checked, with seeded adapters.
 """
 
@@ -18,8 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeline.calibrate import CALIBRATION_FILE, Calibration
 from pipeline.config import ModelConfig, RecipeConfig
-from pipeline.data.packed import load_meta
+from pipeline.data.packed import load_data, load_meta
 from pipeline.donor import PCA_FILE, PCAResult, read_donor_embeddings
 from pipeline.errors import ConfigError, problem
 from pipeline.files import atomic_dir
@@ -27,7 +31,11 @@ from pipeline.finetune.base import build_finetune
 from pipeline.finetune.lora import trainable_summary
 from pipeline.modeldir import FinetuneSpec, save_model_dir
 from pipeline.models.base import TransformerConfig, count_parameters, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import load_llama
 from pipeline.models.registry import build_model
+from pipeline.training.validation import validation_loss
+from pipeline.transfer import Selection, subclone, transfer_report
 
 
 def realize(
@@ -103,13 +111,23 @@ def _check_rows(model: nn.Module, rows: int) -> None:
 
 
 def run_realize(
-    recipe: RecipeConfig, mcfg: ModelConfig, seed: int, donor: Path, packed_dir: Path, donor_dir: Path, out_dir: Path
+    recipe: RecipeConfig,
+    mcfg: ModelConfig,
+    seed: int,
+    donor: Path,
+    packed_dir: Path,
+    donor_dir: Path,
+    out_dir: Path,
+    seq_len: int = 128,
 ) -> dict[str, float]:
-    """The realize stage: vocab from the packed data; a fine-tune's base, or a new model initialised
-    from the donor stage's PCA (and, for lens, the donor table); written to `out_dir` atomically."""
+    """The realize stage: vocab from the packed data; a fine-tune's base, a subclone of the donor
+    (its step-0 val loss at `seq_len`), or a new model initialised from the donor stage's PCA (and,
+    for lens, the donor table); written to `out_dir` atomically."""
     vocab = load_meta(packed_dir).vocab_size
     if recipe.finetune:
         return realize_finetune(recipe, donor, vocab, out_dir)
+    if recipe.init == "subclone":
+        return realize_subclone(recipe, mcfg, seed, donor, packed_dir, donor_dir, out_dir, seq_len)
     lens = PCAResult.load(donor_dir / PCA_FILE) if recipe.init != "scratch" else None
     table = read_donor_embeddings(donor).table if recipe.init == "lens" else None
     model = realize(mcfg, recipe.init, vocab, seed, lens, table)
@@ -142,4 +160,60 @@ def realize_finetune(recipe: RecipeConfig, base: Path, packed_vocab: int, out_di
         "parameters": float(counts["total_params"]),
         "trainable_parameters": float(counts["trainable_params"]),
         "vocab_size": float(model.cfg.vocab_size),
+    }
+
+
+def load_calibration(donor: Llama, donor_dir: Path) -> Calibration:
+    """The donor stage's calibration, checked against the donor it must describe."""
+    path = Path(donor_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        raise ConfigError(
+            problem(str(path), "the donor calibration for recipe.init=subclone", "no such file", "run: dvc repro donor")
+        )
+    calib = Calibration.load(str(path))
+    cfg = donor.cfg
+    want = (cfg.d_model, cfg.n_layer, cfg.n_head, cfg.d_ff)
+    found = (calib.basis.shape[0], *calib.head_energy.shape, calib.neuron_rms.shape[1])
+    if found != want:
+        raise ConfigError(
+            problem(
+                str(path), f"(width, layers, heads, d_ff) = {want} of the donor", str(found), "run: dvc repro donor"
+            )
+        )
+    return calib
+
+
+def realize_subclone(
+    recipe: RecipeConfig,
+    mcfg: ModelConfig,
+    seed: int,
+    donor_path: Path,
+    packed_dir: Path,
+    donor_dir: Path,
+    out_dir: Path,
+    seq_len: int,
+) -> dict[str, float]:
+    """Every weight from the donor (pipeline/transfer.py), the fp32 val loss before training, and
+    `realize.json` saying what the student kept. Returns the stage metrics."""
+    donor, _ = load_llama(Path(donor_path))
+    calib = load_calibration(donor, donor_dir)
+    vocab = load_meta(packed_dir).vocab_size
+    cfg = TransformerConfig.from_hparams(mcfg, vocab)
+    model, sel = subclone(donor, calib, cfg, recipe.subclone.layers)
+    report = transfer_report(donor, model, calib, sel)
+    report["step0_val_loss"] = validation_loss(model, load_data(packed_dir, "val"), seq_len, 8, torch.device("cpu"))
+    record = {"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
+    record["subclone"] = {**report, "seq_len": seq_len, "selection": _selection_record(sel)}
+    with atomic_dir(out_dir) as tmp:
+        save_model_dir(tmp, model, realize=record)
+    return {**report, "vocab_size": float(vocab)}
+
+
+def _selection_record(sel: Selection) -> dict[str, list]:
+    """Which donor layers and heads the student kept (neurons: how many), for realize.json."""
+    return {
+        "layers": list(sel.layers),
+        "q_heads": [list(q) for q in sel.q_heads],
+        "kv_heads": [list(kv) for kv in sel.kv_heads],
+        "neurons": [len(n) for n in sel.neurons],
     }

@@ -1,12 +1,16 @@
-"""donor: read the donor GGUF's embedding table and PCA it down to model.d_model."""
+"""donor: read the donor GGUF's embedding table and PCA it down to model.d_model, or, for
+recipe.init=subclone, run the whole donor over part of the train split and measure what realize
+needs to transfer every weight (pipeline/calibrate.py)."""
 
 from __future__ import annotations
 
 import logging
 
 import hydra
+import numpy as np
 from omegaconf import DictConfig
 
+from pipeline.calibrate import run_calibration
 from pipeline.data.packed import load_meta
 from pipeline.donor import run_donor
 from pipeline.files import write_text
@@ -18,28 +22,36 @@ log = logging.getLogger(__name__)
 def body(ctx: StageContext) -> dict[str, float]:
     meta = load_meta(ctx.paths.packed)
     ctx.add_input("donor", ctx.donor)
+    recipe, d_model = ctx.cfg.recipe, ctx.cfg.model.d_model
+    if recipe.init == "subclone":
+        calib, metrics = run_calibration(ctx.donor, ctx.paths.packed, d_model, recipe.subclone, ctx.out_dir)
+        write_plot(ctx, calib.variance / calib.variance.sum())
+        log.info(
+            f"donor: calibrated on {int(metrics['calibration_tokens'])} tokens "
+            f"({metrics['calibration_tokens_per_second']:.0f} tok/s); {d_model} residual directions keep "
+            f"{metrics['explained_variance_total']:.3f} of the variance"
+        )
+        return metrics
     result, metrics = run_donor(
-        ctx.donor,
-        meta.vocab_size,
-        ctx.paths.packed / "meta.json",
-        ctx.cfg.model.d_model,
-        ctx.cfg.recipe.init,
-        ctx.out_dir,
+        ctx.donor, meta.vocab_size, ctx.paths.packed / "meta.json", d_model, recipe.init, ctx.out_dir
     )
-    ratios = result.explained_variance_ratio
+    write_plot(ctx, result.explained_variance_ratio)
+    explained = metrics["explained_variance_total"]
+    if metrics["components"]:
+        log.info(f"donor: {int(metrics['components'])} components explain {explained:.3f} of the variance")
+    else:
+        log.info(f"donor: no PCA for recipe.init={recipe.init}; the donor's vocabulary matches the packed data")
+    return metrics
+
+
+def write_plot(ctx: StageContext, ratios: np.ndarray) -> None:
+    """The explained variance per component (embedding PCA, or the residual basis for subclone)."""
     rows = ["component\texplained_variance_ratio\tcumulative"]
     total = 0.0
     for i, r in enumerate(ratios):
         total += float(r)
         rows.append(f"{i + 1}\t{float(r):.6g}\t{total:.6g}")
-    plot = write_text(ctx.plots_dir / "explained_variance.tsv", "\n".join(rows) + "\n")
-    ctx.artifact(plot)
-    explained = metrics["explained_variance_total"]
-    if metrics["components"]:
-        log.info(f"donor: {int(metrics['components'])} components explain {explained:.3f} of the variance")
-    else:
-        log.info(f"donor: no PCA for recipe.init={ctx.cfg.recipe.init}; the donor's vocabulary matches the packed data")
-    return metrics
+    ctx.artifact(write_text(ctx.plots_dir / "explained_variance.tsv", "\n".join(rows) + "\n"))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)

@@ -28,7 +28,7 @@ from pipeline.files import flatten, write_text
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
     "pack": ("data", "donor.path"),
-    "donor": ("donor.path", "model.d_model", "recipe.init"),
+    "donor": ("donor.path", "model.d_model", "recipe.init", "recipe.subclone"),
     "teach": (
         "train.distill.weight",
         "train.distill.mode",
@@ -37,7 +37,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
         "train.seq_len",
         "donor.path",
     ),
-    "realize": ("seed", "model", "recipe", "donor.path"),
+    "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len"),
     "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),

@@ -19,13 +19,25 @@ def body(ctx: StageContext) -> dict[str, float]:
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if cfg.recipe.finetune:
         ctx.add_input("base", ctx.donor)
+    elif cfg.recipe.init == "subclone":
+        ctx.add_input("donor", ctx.donor)
+        ctx.add_input("calibration", ctx.paths.donor / "calibration.safetensors")
     elif cfg.recipe.init != "scratch":
         ctx.add_input("pca", ctx.paths.donor / "pca.safetensors")
-    metrics = run_realize(cfg.recipe, cfg.model, cfg.seed, ctx.donor, ctx.paths.packed, ctx.paths.donor, ctx.out_dir)
+    metrics = run_realize(
+        cfg.recipe, cfg.model, cfg.seed, ctx.donor, ctx.paths.packed, ctx.paths.donor, ctx.out_dir, cfg.train.seq_len
+    )
     if cfg.recipe.finetune:
         log.info(
             f"realize: {cfg.recipe.name} on {ctx.donor.name}, {int(metrics['trainable_parameters'])} of "
             f"{int(metrics['parameters'])} parameters train -> {ctx.out_dir}"
+        )
+    elif cfg.recipe.init == "subclone":
+        log.info(
+            f"realize: subclone of {ctx.donor.name}, {int(metrics['parameters'])} parameters "
+            f"({metrics['parameter_fraction']:.1%} of the donor's), layers kept {int(metrics['layers_kept'])}, "
+            f"residual variance kept {metrics['residual_variance_kept']:.3f}, val loss before training "
+            f"{metrics['step0_val_loss']:.4f} at seq_len {cfg.train.seq_len} -> {ctx.out_dir}"
         )
     else:
         log.info(f"realize: init={cfg.recipe.init}, {int(metrics['parameters'])} parameters -> {ctx.out_dir}")

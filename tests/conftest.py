@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.llama_gguf import export_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,3 +109,29 @@ def _add_tiny_model(w: gguf.GGUFWriter, rng: np.random.Generator, vocab: int, wi
         arr = np.ones(shape) if len(shape) == 1 else 0.2 * rng.standard_normal(shape)
         w.add_tensor(f"blk.0.{name}.weight", arr.astype(np.float32))
     w.add_tensor("output_norm.weight", np.ones(width, dtype=np.float32))
+
+
+def write_tiny_llama_gguf(
+    path: Path,
+    vocab: int = 64,
+    d_model: int = 32,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    d_ff: int = 48,
+    rope_theta: float = 100000.0,
+    seed: int = 0,
+) -> Path:
+    """A whole random llama donor as an f32 GGUF (tied head, no tokenizer), with norm weights far
+    from 1 (some negative) and a few "massive" residual coordinates, as real donors have."""
+    cfg = TransformerConfig(vocab, d_model, n_layer, n_head, n_kv_head, d_ff, 128, rope_theta, 1e-5)
+    model = Llama(cfg)
+    init_weights(model, 0.2, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.5 + 0.5 * torch.randn(p.shape, generator=g))
+                p[:2] = torch.tensor([-1.5, 0.7])
+        model.tok_embd.weight[:, :3] *= 20.0  # outlier coordinates
+    return export_llama(model, path, {}, {"general.name": "tiny-donor"}, "f32")

@@ -9,7 +9,16 @@ so every layer may import them.
 from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
 from pipeline.config.generate import GenerateConfig
-from pipeline.config.model import FINETUNE_MODES, INITS, TRAINABLE, LoraConfig, ModelConfig, RecipeConfig
+from pipeline.config.model import (
+    FINETUNE_MODES,
+    INITS,
+    LAYER_RULES,
+    TRAINABLE,
+    LoraConfig,
+    ModelConfig,
+    RecipeConfig,
+    SubcloneConfig,
+)
 from pipeline.config.train import (
     DEVICES,
     DISTILL_MODES,
@@ -27,6 +36,7 @@ __all__ = [
     "EXPORT_TYPES",
     "FINETUNE_MODES",
     "INITS",
+    "LAYER_RULES",
     "OPTIMIZERS",
     "PARALLEL",
     "PRECISIONS",
@@ -44,6 +54,7 @@ __all__ = [
     "OptimConfig",
     "PipelineConfig",
     "RecipeConfig",
+    "SubcloneConfig",
     "TrackingConfig",
     "TrainConfig",
 ]

@@ -8,7 +8,8 @@ from pipeline.config.checks import check, choice, integer, positive
 from pipeline.errors import ConfigError, problem
 from pipeline.models.names import ARCHITECTURES, LORA_TARGETS
 
-INITS = ("scratch", "pca", "lens", "base")  # base: the GGUF at donor.path itself (fine-tuning)
+INITS = ("scratch", "pca", "lens", "subclone", "base")  # base: the GGUF at donor.path itself (fine-tuning)
+LAYER_RULES = ("importance", "even", "first", "first_last")  # which donor layers a subclone keeps
 TRAINABLE = ("all", "lora")
 FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
 
@@ -105,12 +106,46 @@ class LoraConfig:
 
 
 @dataclass
+class SubcloneConfig:
+    """Whole-network transfer (`recipe.init=subclone`): the donor stage's calibration run and which
+    donor layers realize keeps (see pipeline/transfer.py).
+
+    `calib_tokens` tokens of the packed train split, in windows of `calib_seq_len`, measure the
+    donor (~1000 tok/s on 2 CPU cores). A residual coordinate with more than `outlier_factor`/d of
+    the energy stays an axis of its own instead of being rotated. `layers`: importance (the
+    highest block influence), even (evenly spaced), first, first_last (the first n-1 and the last).
+    """
+
+    calib_tokens: int = 16384
+    calib_seq_len: int = 256
+    outlier_factor: float = 20.0
+    layers: str = "importance"
+
+    def __post_init__(self) -> None:
+        integer(self.calib_seq_len, "recipe.subclone.calib_seq_len", 2, "set recipe.subclone.calib_seq_len=256")
+        integer(
+            self.calib_tokens,
+            "recipe.subclone.calib_tokens",
+            self.calib_seq_len,
+            "set recipe.subclone.calib_tokens to at least recipe.subclone.calib_seq_len, e.g. 16384",
+        )
+        check(
+            self.outlier_factor > 1,
+            "recipe.subclone.outlier_factor",
+            "a number > 1 (times the mean energy share)",
+            self.outlier_factor,
+            "set recipe.subclone.outlier_factor=20",
+        )
+        choice(self.layers, "recipe.subclone.layers", LAYER_RULES)
+
+
+@dataclass
 class RecipeConfig:
     """How the model is realized and what trains.
 
-    `init`: scratch, PCA warm-start (pca), PCA lens, or `base`, the GGUF at donor.path itself
-    (fine-tuning). `trainable`: all parameters, or only LoRA adapters on a frozen base;
-    `quantized` (QLoRA) keeps the frozen base's matrices in their GGUF block format.
+    `init`: scratch, PCA warm-start (pca), PCA lens, every weight from the donor (subclone), or
+    `base`, the GGUF at donor.path itself (fine-tuning). `trainable`: all parameters, or only LoRA
+    adapters on a frozen base; `quantized` (QLoRA) keeps the frozen base's matrices in their GGUF block format.
     """
 
     name: str = "warm-start"
@@ -118,6 +153,7 @@ class RecipeConfig:
     trainable: str = "all"  # all | lora
     quantized: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    subclone: SubcloneConfig = field(default_factory=SubcloneConfig)
 
     def __post_init__(self) -> None:
         choice(self.init, "recipe.init", INITS)

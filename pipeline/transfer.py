@@ -1,0 +1,253 @@
+"""Whole-network transfer (`recipe.init=subclone`): a smaller llama that takes every weight from its donor.
+
+After SliceGPT (arXiv 2401.15024), weight subcloning (2312.09299), weight selection (2311.18823) and
+Minitron (2407.14679):
+
+1. Fold each RMSNorm weight into the matrices that read its output; the norms are then plain
+   RMS normalisations, which commute with any orthogonal rotation Q of the residual stream.
+2. Rotate the whole residual stream by the donor's PCA basis (one Q for every layer, so one rotated
+   embedding table serves them all): E -> E Q, readers W -> W diag(g) Q, writers W -> Q^T W. At full
+   width this is exact. Slicing keeps the first d_model columns of Q.
+3. RMSNorm divides by sqrt(width): slicing to k of D dimensions, keeping a fraction f of a
+   position's energy, shrinks its normalised output by sqrt(k / (D f)); each student norm weight
+   is that compensation (a scalar per position, measured by the calibration).
+4. Keep n_layer blocks (`LAYER_RULES`), whole kv groups of query heads by the energy the heads write,
+   and FFN neurons by RMS activation x the norm of their `down` column.
+5. The head: untied (model.tie_embeddings=false) is exact, H diag(g_final) Q. Tied cannot be exact
+   (the final norm weight sits between the shared table and the logits), so the student's final
+   norm weight is the per-direction gain that best reproduces the donor's logits (least squares
+   over the calibration's final-position moment), times the compensation of step 3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from pipeline.calibrate import Calibration
+from pipeline.config import LAYER_RULES
+from pipeline.config.checks import check
+from pipeline.errors import ConfigError, problem
+from pipeline.models.base import TransformerConfig
+from pipeline.models.llama import Llama
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which donor parts the student keeps: per student layer, in student order."""
+
+    layers: tuple[int, ...]
+    q_heads: tuple[tuple[int, ...], ...]  # donor query heads; student head i reads kv group i // (n_head/n_kv)
+    kv_heads: tuple[tuple[int, ...], ...]  # donor kv head copied into each student kv head (may repeat)
+    neurons: tuple[tuple[int, ...], ...]  # donor FFN neurons, ascending
+
+
+def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
+    """`n` donor layers, ascending: the most influential (ShortGPT), evenly spaced, the first n, or the
+    first n-1 and the last."""
+    total = len(influence)
+    if rule == "importance":
+        picked = np.argsort(-influence, kind="stable")[:n]
+    elif rule == "even":
+        picked = np.round(np.linspace(0, total - 1, n)).astype(int)
+    elif rule == "first":
+        picked = np.arange(n)
+    elif rule == "first_last":
+        picked = np.r_[np.arange(n - 1), total - 1] if n > 1 else np.array([0])
+    else:
+        raise ConfigError(problem("config key recipe.subclone.layers", f"one of {LAYER_RULES}", rule, "pick one"))
+    return tuple(sorted(int(i) for i in picked))
+
+
+def select_heads(energy: np.ndarray, donor_kv: int, n_head: int, n_kv: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Student kv heads as copies of donor kv heads, each with `n_head / n_kv` of that group's query heads.
+
+    A donor group of r query heads offers floor(r / s) candidate groups of s heads (its best heads
+    first); the n_kv candidates whose heads write the most energy win. Every query head keeps its
+    own keys and values, so attention is exact for the kept heads. Returns (q heads, kv heads).
+    """
+    r, s = len(energy) // donor_kv, n_head // n_kv
+    candidates: list[tuple[float, int, tuple[int, ...]]] = []
+    for g in range(donor_kv):
+        heads = sorted(range(g * r, (g + 1) * r), key=lambda h: -energy[h])
+        for c in range(r // s):
+            chunk = tuple(sorted(heads[c * s : (c + 1) * s]))
+            candidates.append((float(energy[list(chunk)].sum()), g, chunk))
+    best = sorted(sorted(candidates, key=lambda c: -c[0])[:n_kv], key=lambda c: c[2])
+    return tuple(h for c in best for h in c[2]), tuple(c[1] for c in best)
+
+
+def select(calib: Calibration, donor: Llama, cfg: TransformerConfig, rule: str) -> Selection:
+    """Layers by `rule`, heads by written energy, neurons by RMS activation x |down column|."""
+    layers = select_layers(calib.layer_influence, cfg.n_layer, rule)
+    q_heads, kv_heads, neurons = [], [], []
+    for layer in layers:
+        q, kv = select_heads(calib.head_energy[layer], donor.cfg.n_kv_head, cfg.n_head, cfg.n_kv_head)
+        q_heads.append(q)
+        kv_heads.append(kv)
+        down = donor.blocks[layer].ffn.down.weight.detach().float().norm(dim=0).numpy()
+        score = calib.neuron_rms[layer] * down
+        neurons.append(tuple(sorted(int(i) for i in np.argsort(-score, kind="stable")[: cfg.d_ff])))
+    return Selection(layers, tuple(q_heads), tuple(kv_heads), tuple(neurons))
+
+
+def norm_scales(calib: Calibration, k: int) -> np.ndarray:
+    """Per norm position, sqrt(D f / k): what RMSNorm over k of D dimensions keeping energy f lost."""
+    d = calib.position_energy.shape[1]
+    kept = calib.position_energy[:, :k].sum(1).clip(1e-6, None)
+    return np.sqrt(d * kept / k).astype(np.float32)
+
+
+def _rows(heads: tuple[int, ...], hd: int) -> torch.Tensor:
+    return torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in heads])
+
+
+def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales: np.ndarray) -> dict:
+    """Student block j: the donor block's kept rows/columns, norms folded, rotated and sliced by `q` (D, k)."""
+    layer, hd = sel.layers[j], donor.cfg.head_dim
+    b = donor.blocks[layer]
+    g1, g2 = b.attn_norm.weight.detach().float(), b.ffn_norm.weight.detach().float()
+    q_rows, kv_rows = _rows(sel.q_heads[j], hd), _rows(sel.kv_heads[j], hd)
+    cols = torch.tensor(sel.neurons[j])
+    k = q.shape[1]
+
+    def reads(w: torch.Tensor, rows: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return (w.detach().float()[rows] * gain) @ q
+
+    p = f"blocks.{j}."
+    return {
+        p + "attn_norm.weight": torch.full((k,), float(scales[2 * layer])),
+        p + "attn.wq.weight": reads(b.attn.wq.weight, q_rows, g1),
+        p + "attn.wk.weight": reads(b.attn.wk.weight, kv_rows, g1),
+        p + "attn.wv.weight": reads(b.attn.wv.weight, kv_rows, g1),
+        p + "attn.wo.weight": q.T @ b.attn.wo.weight.detach().float()[:, q_rows],
+        p + "ffn_norm.weight": torch.full((k,), float(scales[2 * layer + 1])),
+        p + "ffn.gate.weight": reads(b.ffn.gate.weight, cols, g2),
+        p + "ffn.up.weight": reads(b.ffn.up.weight, cols, g2),
+        p + "ffn.down.weight": q.T @ b.ffn.down.weight.detach().float()[:, cols],
+    }
+
+
+def tied_gain(calib: Calibration, donor: Llama, q: torch.Tensor) -> torch.Tensor:
+    """The final-norm gain g (k,) for a tied head that best reproduces the donor's logits.
+
+    Donor logits u A H^T (u the normalised final state, A = diag(final norm weight), H the head);
+    student u Q diag(g) (E Q)^T with the rotated table E Q. Minimising E||difference||^2 over u's
+    measured second moment C gives (Q^T C Q * Q^T E^T E Q) g = diag(Q^T C A H^T E Q). The vocab-sized
+    products are formed once at donor width (fp32), the rest in fp64.
+    """
+    table = donor.tok_embd.weight.detach().float()
+    gram = (table.T @ table).double()  # E^T E
+    cross = gram if donor.head is None else (donor.head_weight().detach().float().T @ table).double()  # H^T E
+    c = torch.from_numpy(calib.final_moment).double()
+    a = donor.norm.weight.detach().double()
+    qd = q.double()
+    lhs = (qd.T @ c @ qd) * (qd.T @ gram @ qd)
+    rhs = (((qd.T @ c) * a) @ cross @ qd).diagonal()
+    return torch.linalg.solve(lhs, rhs).float()
+
+
+def student_state(donor: Llama, calib: Calibration, cfg: TransformerConfig, sel: Selection, basis: np.ndarray) -> dict:
+    """Every student parameter, by name."""
+    q = torch.from_numpy(np.ascontiguousarray(basis[:, : cfg.d_model])).float()
+    scales = norm_scales(calib, cfg.d_model)
+    state = {"tok_embd.weight": donor.tok_embd.weight.detach().float() @ q}
+    for j in range(cfg.n_layer):
+        state.update(_block_weights(donor, sel, j, q, scales))
+    final = float(scales[2 * donor.cfg.n_layer])
+    if cfg.tie_embeddings:
+        state["norm.weight"] = tied_gain(calib, donor, q) * final
+    else:
+        state["norm.weight"] = torch.full((cfg.d_model,), final)
+        head = donor.head_weight().detach().float() * donor.norm.weight.detach().float()
+        state["head.weight"] = head @ q
+    return state
+
+
+def subclone(
+    donor: Llama, calib: Calibration, cfg: TransformerConfig, rule: str, basis: np.ndarray | None = None
+) -> tuple[Llama, Selection]:
+    """The student of shape `cfg` built from `donor`; `basis` (D, D orthonormal columns) overrides
+    the calibration's PCA basis (a test passes a random rotation)."""
+    check_student(cfg, donor.cfg)
+    cfg = replace(cfg, rope_freq_factors=donor.cfg.rope_freq_factors)
+    sel = select(calib, donor, cfg, rule)
+    state = student_state(donor, calib, cfg, sel, calib.basis if basis is None else basis)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model, sel
+
+
+def check_student(cfg: TransformerConfig, donor: TransformerConfig) -> None:
+    """The student must fit inside the donor: a named error for the first key that does not."""
+    check(
+        cfg.vocab_size == donor.vocab_size,
+        "donor.path",
+        f"a donor with the packed data's {cfg.vocab_size} tokens",
+        donor.vocab_size,
+        "pack the corpus with this donor's tokenizer (dvc repro pack)",
+    )
+    check(cfg.arch == "llama", "model.arch", "llama for recipe.init=subclone", cfg.arch, "set model.arch=llama")
+    for key in ("d_model", "n_layer", "d_ff"):
+        found, limit = getattr(cfg, key), getattr(donor, key)
+        check(found <= limit, f"model.{key}", f"at most the donor's {limit}", found, f"set model.{key}<={limit}")
+    hd = donor.head_dim
+    check(
+        cfg.head_dim == hd,
+        "model.n_head",
+        f"model.d_model/model.n_head = the donor's head size {hd}",
+        f"{cfg.d_model}/{cfg.n_head} = {cfg.head_dim}",
+        f"set model.n_head={cfg.d_model // hd}" if cfg.d_model % hd == 0 else f"use a model.d_model divisible by {hd}",
+    )
+    _check_groups(cfg, donor)
+    for key in ("rope_theta", "norm_eps"):
+        found, want = getattr(cfg, key), getattr(donor, key)
+        check(
+            math.isclose(found, want, rel_tol=1e-5),
+            f"model.{key}",
+            f"the donor's {want:g}",
+            found,
+            f"set model.{key}={want:g} (or use model=subclone)",
+        )
+
+
+def _check_groups(cfg: TransformerConfig, donor: TransformerConfig) -> None:
+    """Each student kv group must be query heads of one donor kv group (see `select_heads`)."""
+    r, s = donor.n_head // donor.n_kv_head, cfg.n_head // cfg.n_kv_head
+    groups = donor.n_kv_head * (r // s)
+    expected = f"n_head/n_kv_head at most the donor's group size {r}"
+    if s <= r:
+        expected += f", and n_kv_head at most the {groups} groups of {s} query heads it offers"
+    check(
+        s <= r and cfg.n_kv_head <= groups,
+        "model.n_kv_head",
+        expected,
+        f"{cfg.n_kv_head} (groups of {s})",
+        f"set model.n_kv_head to a divisor of model.n_head={cfg.n_head} of at least {-(-cfg.n_head // r)}",
+    )
+
+
+def transfer_report(donor: Llama, student: Llama, calib: Calibration, sel: Selection) -> dict[str, float]:
+    """What fraction of the donor the student kept: parameters, residual variance, block influence,
+    head energy and FFN activation energy (the last two over the kept layers)."""
+    layers = list(sel.layers)
+    heads = calib.head_energy[layers]
+    neurons = calib.neuron_rms[layers] ** 2
+    kept_heads = sum(float(heads[j, list(q)].sum()) for j, q in enumerate(sel.q_heads))
+    kept_neurons = sum(float(neurons[j, list(n)].sum()) for j, n in enumerate(sel.neurons))
+    donor_params = sum(p.numel() for p in donor.parameters())
+    student_params = sum(p.numel() for p in student.parameters())
+    return {
+        "parameters": float(student_params),
+        "donor_parameters": float(donor_params),
+        "parameter_fraction": student_params / donor_params,
+        "residual_variance_kept": calib.kept_fraction(student.cfg.d_model),
+        "layers_kept": float(len(layers)),
+        "layer_influence_kept": float(calib.layer_influence[layers].sum() / calib.layer_influence.sum()),
+        "head_energy_kept": kept_heads / float(heads.sum()),
+        "ffn_energy_kept": kept_neurons / float(neurons.sum()),
+    }
