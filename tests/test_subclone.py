@@ -122,7 +122,9 @@ def packed_dir(root: Path) -> Path:
     for split, n in (("train", 4000), ("val", 600)):
         write_tokens(root, split, rng.integers(0, VOCAB, n).astype(np.uint16))
     tokens_ = {"train": 4000, "val": 600}
-    write_meta(root, PackMeta(VOCAB, "uint16", "t" * 64, "c" * 64, "text", None, None, {"train": 1, "val": 1}, tokens_, VOCAB))
+    write_meta(
+        root, PackMeta(VOCAB, "uint16", "t" * 64, "c" * 64, "text", None, None, {"train": 1, "val": 1}, tokens_, VOCAB)
+    )
     return root
 
 
