@@ -82,7 +82,8 @@ def test_lineage_names_the_key_both_values_and_the_fix(tmp_path: Path) -> None:
     from pipeline.lineage import check_init, check_packed
 
     cfg = PipelineConfig()
-    meta = PackMeta(49152, "uint16", "t" * 64, "c" * 64, "pydoc", None, 2, {}, {}, 1, data=asdict(cfg.data))
+    counts = {"train": 1, "val": 1}
+    meta = PackMeta(49152, "uint16", "t" * 64, "c" * 64, "pydoc", None, 2, counts, counts, 1, data=asdict(cfg.data))
     write_meta(tmp_path, meta)
     (tmp_path / "realize.json").write_text(
         json.dumps({"recipe": "from-scratch", "init": "scratch", "seed": 1, "model": asdict(cfg.model)})
