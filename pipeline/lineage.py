@@ -75,27 +75,28 @@ def check_init(cfg: PipelineConfig, init_dir: Path) -> dict[str, str]:
 
 def check_teach(cfg: PipelineConfig, teach_dir: Path, packed_dir: Path, inputs_dir: Path) -> dict[str, str]:
     """With distillation on: `data/teach` must have been made, in this mode, from this packed train
-    split (sha256 of its tokens) and this donor (the inputs stage's sha256 of it), with at least
+    split (sha256 of its tokens) and this donor (the inputs stage's sha256 of it; online, train
+    loads donor.path itself, so that must be the recorded one too), with at least
     train.distill.top_k tokens per position. Returns the teacher's lineage tag; {} when off."""
     d = cfg.train.distill
     if not d.enabled:
         return {}
     meta, record = read_teach_meta(teach_dir), Path(teach_dir) / TEACH_META
-    fix = "rebuild it for this data and donor: `dvc repro teach` (or run teach with this run's overrides)"
     if meta.mode != d.mode:
         raise mismatch("train.distill.mode", meta.mode, d.mode, record)
+    donor = read_record(inputs_dir)
+    if d.mode == "online" and donor["path"] != cfg.donor.path:
+        raise mismatch("donor.path", donor["path"], cfg.donor.path, Path(inputs_dir) / "donor.json")
     train_file = data_files(packed_dir)[1]
-    for what, recorded, actual in (
+    made_from = (
         (str(train_file), meta.train_sha256, sha256_file(train_file)),
-        (
-            f"the donor ({Path(inputs_dir) / 'donor.json'})",
-            meta.donor_sha256,
-            read_record(inputs_dir)["file"]["sha256"],
-        ),
-    ):
+        (f"the donor ({Path(inputs_dir) / 'donor.json'})", meta.donor_sha256, donor["file"]["sha256"]),
+    )
+    for what, recorded, actual in made_from:
         if recorded != actual:
+            fix = "rebuild it for this data and donor: `dvc repro teach` (or run teach with this run's overrides)"
             raise ConfigError(
-                problem(f"{record}", f"a cache made from {what}, sha256 {actual[:12]}", f"{recorded[:12]}", fix)
+                problem(str(record), f"a cache made from {what}, sha256 {actual[:12]}", recorded[:12], fix)
             )
     if d.mode == "cached" and d.top_k > meta.top_k:
         raise ConfigError(

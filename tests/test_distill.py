@@ -252,6 +252,12 @@ def test_train_refuses_a_cache_of_other_data_or_donor_or_too_small_a_k(project: 
         with pytest.raises(ConfigError) as err:
             check_teach(cfg, stale, project.packed, project.inputs)
         assert named in str(err.value) and "dvc repro teach" in str(err.value) and "\n" not in str(err.value)
+    online = replace(TCFG, distill=replace(DISTILL, mode="online"))
+    with pytest.raises(ConfigError, match="config key train.distill.mode: expected 'cached'"):
+        check_teach(PipelineConfig(train=online), project.teach, project.packed, project.inputs)
+    (stale / META_FILE).write_text(json.dumps({**meta, "mode": "online"}))
+    with pytest.raises(ConfigError, match="config key donor.path: expected '.*donor.gguf'"):  # not the recorded file
+        check_teach(PipelineConfig(train=online), stale, project.packed, project.inputs)
     wide = PipelineConfig(train=replace(TCFG, distill=replace(DISTILL, top_k=16)))
     with pytest.raises(ConfigError, match="train.distill.top_k: expected at most 8"):
         check_teach(wide, project.teach, project.packed, project.inputs)
