@@ -62,10 +62,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 part = torch.mm(z.t(), hc)
                 grad_w = part.float() if grad_w is None else grad_w.add_(part)
-        grad_h = grad_h.float().mul_(1.0 / n) if grad_h.dtype != torch.float32 else grad_h.mul_(1.0 / n)
-        grad_w.mul_(1.0 / n)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        _save_mean_grads(ctx, grad_h, grad_w, n, h.dtype, w.dtype)
         return total / n
 
     @staticmethod
@@ -73,6 +70,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # the saved gradients are used once (no retain_graph): scale them in place
         grad_h, grad_w = ctx.saved_tensors
         return grad_h.mul_(grad_out).to(ctx.h_dtype), grad_w.mul_(grad_out).to(ctx.w_dtype), None, None, None
+
+
+def _save_mean_grads(ctx, grad_h: torch.Tensor, grad_w: torch.Tensor, n: int, h_dtype, w_dtype) -> None:
+    """Both chunked losses compute their gradients in forward: scale them to the mean, keep them for backward."""
+    grad_h = grad_h.float().mul_(1.0 / n) if grad_h.dtype != torch.float32 else grad_h.mul_(1.0 / n)
+    grad_w.mul_(1.0 / n)
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.h_dtype, ctx.w_dtype = h_dtype, w_dtype
 
 
 def _softmax_nll_(z: torch.Tensor, targets: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -159,10 +164,7 @@ class _ChunkedLinearDistill(torch.autograd.Function):
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 part = torch.mm(z.t(), hc)
                 grad_w = part.float() if grad_w is None else grad_w.add_(part)
-        grad_h = grad_h.float().mul_(1.0 / n) if grad_h.dtype != torch.float32 else grad_h.mul_(1.0 / n)
-        grad_w.mul_(1.0 / n)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        _save_mean_grads(ctx, grad_h, grad_w, n, h.dtype, w.dtype)
         parts = sums / n
         ctx.mark_non_differentiable(parts)
         return (1.0 - weight) * parts[0] + weight * parts[1], parts
