@@ -53,6 +53,7 @@ def run_evaluate(
     tok = tokenizer_from_gguf(g)
     if not is_rows(val):
         metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
+        metrics.update(gap_closed(metrics, cfg.evaluate.baseline_val_loss))
         return metrics, _text_samples(model, tok, cfg.evaluate)
     base = None
     if cfg.recipe.finetune:
@@ -105,6 +106,15 @@ def reference_metrics(val_loss: float, packed_dir: Path, teach_dir: Path | None,
     if bits is not None:
         out["donor_val_bpb"] = teach.donor_val_loss * bits
     return out
+
+
+def gap_closed(metrics: dict[str, float], baseline: float) -> dict[str, float]:
+    """The fraction of the baseline-to-donor gap this student closes, (baseline - val) / (baseline - donor),
+    when a baseline val loss (e.g. a from-scratch run of this shape) is given and above the donor's."""
+    donor = metrics.get("donor_val_loss")
+    if not baseline or donor is None or baseline <= donor:
+        return {}
+    return {"gap_closed": (baseline - metrics["val_loss"]) / (baseline - donor)}
 
 
 def _text_samples(model: nn.Module, tok: GGUFTokenizer, ecfg: EvaluateConfig) -> list[dict[str, str]]:

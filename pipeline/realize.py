@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.calibrate import CALIBRATION_FILE, Calibration
+from pipeline.calibrate import CALIBRATION_FILE, Calibration, windows
 from pipeline.config import ModelConfig, RecipeConfig
-from pipeline.data.packed import load_data, load_meta
+from pipeline.data.packed import load_data, load_meta, load_split
 from pipeline.donor import PCA_FILE, PCAResult, read_donor_embeddings
 from pipeline.errors import ConfigError, problem
 from pipeline.files import atomic_dir
@@ -35,7 +35,7 @@ from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.models.registry import build_model
 from pipeline.training.validation import validation_loss
-from pipeline.transfer import Selection, subclone, transfer_report
+from pipeline.transfer import Selection, fit_gain, subclone, transfer_report
 
 
 def realize(
@@ -201,7 +201,13 @@ def realize_subclone(
     cfg = TransformerConfig.from_hparams(mcfg, vocab)
     model, sel = subclone(donor, calib, cfg, recipe.subclone.layers)
     report = transfer_report(donor, model, calib, sel)
-    report["step0_val_loss"] = validation_loss(model, load_data(packed_dir, "val"), seq_len, 8, torch.device("cpu"))
+    val = load_data(packed_dir, "val")
+    report["step0_val_loss_closed_form"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
+    settings = recipe.subclone
+    if settings.head_fit_tokens:
+        ids = windows(load_split(packed_dir, "train"), settings.head_fit_tokens, settings.calib_seq_len + 1)
+        report["head_fit_loss_before"], report["head_fit_loss_after"] = fit_gain(model, ids, settings.head_fit_iters)
+    report["step0_val_loss"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
     record = {"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
     record["subclone"] = {**report, "seq_len": seq_len, "selection": _selection_record(sel)}
     with atomic_dir(out_dir) as tmp:

@@ -26,6 +26,9 @@ def body(ctx: StageContext) -> dict[str, float]:
     log.info(f"evaluate: val loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f}) from {gguf_path}")
     if "gap_to_donor" in metrics:
         log.info(f"evaluate: donor val loss {metrics['donor_val_loss']:.4f}, gap {metrics['gap_to_donor']:.4f}")
+    if "gap_closed" in metrics:
+        closed = metrics["gap_closed"]
+        log.info(f"evaluate: {closed:.0%} of the gap from evaluate.baseline_val_loss to the donor closed")
     if "base_val_loss" in metrics:
         log.info(
             f"evaluate: held-out response NLL base {metrics['base_val_loss']:.4f} -> tuned {metrics['val_loss']:.4f}"

@@ -28,7 +28,14 @@ from pipeline.files import flatten, write_text
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
     "pack": ("data", "donor.path"),
-    "donor": ("donor.path", "model.d_model", "recipe.init", "recipe.subclone"),
+    "donor": (
+        "donor.path",
+        "model.d_model",
+        "recipe.init",
+        "recipe.subclone.calib_tokens",
+        "recipe.subclone.calib_seq_len",
+        "recipe.subclone.outlier_factor",
+    ),
     "teach": (
         "train.distill.weight",
         "train.distill.mode",

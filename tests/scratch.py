@@ -72,6 +72,15 @@ def ran(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
+def tiny_defaults(config: str) -> str:
+    """The top config with the fast shape as its default: warm start of model=llama-tiny (the default
+    recipe, a subclone of the real donor, has its own end-to-end test)."""
+    for group, option in (("model", "llama-tiny"), ("optim", "adamw"), ("recipe", "warm-start")):
+        config, n = re.subn(rf"^  - {group}: \S+", f"  - {group}: {option}", config, count=1, flags=re.M)
+        assert n == 1, f"conf/config.yaml has no default for {group}"
+    return config
+
+
 def make_project(dst: Path) -> Path:
     """Copy the code, config and DVC files into `dst`, shrink model and training, commit."""
     for name in ("conf", "stages", "pipeline", ".dvc"):
@@ -79,6 +88,7 @@ def make_project(dst: Path) -> Path:
     for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
         shutil.copy(ROOT / name, dst / name)
     (dst / "conf" / "model" / "llama-tiny.yaml").write_text(TINY_MODEL)
+    (dst / "conf" / "config.yaml").write_text(tiny_defaults((ROOT / "conf" / "config.yaml").read_text()))
     (dst / "conf" / "train" / "default.yaml").write_text(TINY_TRAIN)
     (dst / "params.yaml").write_text(sh(dst, sys.executable, "-m", "stages.compose", stderr=False))
     sh(dst, "git", "init", "-q")

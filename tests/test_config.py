@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
-    assert cfg.recipe.init == "pca" and cfg.recipe.name == "warm-start"
+    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
 
 
 def test_params_yaml_equals_fresh_composition() -> None:
@@ -47,7 +47,7 @@ def test_conf_spells_out_every_schema_key() -> None:
         (["model.d_model=abc"], "model.d_model"),
         (["train.grad_accum=0"], "train.grad_accum"),
         (["export.dtype=q3"], "export.dtype"),
-        (["train.seq_len=512"], "train.seq_len"),
+        (["train.seq_len=1024"], "train.seq_len"),
         (["data=jsonl"], "data.path"),
         (["+model.unknown_key=1"], "model.unknown_key"),
     ],

@@ -198,7 +198,9 @@ def test_teach_cache_round_trips_against_a_direct_donor_forward(project: Project
 def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Project, tmp_path: Path) -> None:
     meta, metrics = project.teach_with(replace(TCFG, distill=DistillConfig()), tmp_path / "off")
     assert meta.mode == "off" and sorted(p.name for p in (tmp_path / "off").iterdir()) == [META_FILE]
-    assert metrics["cached_positions"] == 0 and read_meta(tmp_path / "off").donor_val_loss is None
+    assert metrics["cached_positions"] == 0
+    measured = read_meta(project.teach).donor_val_loss  # the same donor over the same val windows, cached mode
+    assert read_meta(tmp_path / "off").donor_val_loss == pytest.approx(measured, abs=1e-6)
     with pytest.raises(DataError, match="mode cached"):
         TeacherCache(tmp_path / "off")
 
@@ -367,3 +369,12 @@ def test_evaluate_reports_bits_per_byte_and_the_gap_to_the_donor(project: Projec
     assert out["donor_val_bpb"] == pytest.approx(out["val_bpb"] * donor / 4.0)
     assert set(reference_metrics(4.0, project.packed, project.teach, 32)) == {"val_bpb"}  # another seq_len
     assert set(reference_metrics(4.0, project.packed, tmp_path / "none", 16)) == {"val_bpb"}
+
+
+def test_gap_closed_against_a_baseline() -> None:
+    from pipeline.evaluate import gap_closed
+
+    metrics = {"val_loss": 4.0, "donor_val_loss": 3.0}
+    assert gap_closed(metrics, 5.0) == {"gap_closed": pytest.approx(0.5)}
+    assert gap_closed({**metrics, "val_loss": 2.5}, 5.0)["gap_closed"] == pytest.approx(1.25)  # past the donor
+    assert gap_closed(metrics, 0.0) == {} and gap_closed(metrics, 2.0) == {} and gap_closed({"val_loss": 4.0}, 5) == {}

@@ -20,7 +20,7 @@ from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.realize import run_realize
-from pipeline.transfer import check_student, select_heads, select_layers, subclone
+from pipeline.transfer import check_student, fit_gain, select_heads, select_layers, subclone
 from tests.conftest import write_tiny_llama_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +131,7 @@ def packed_dir(root: Path) -> Path:
 def test_donor_and_realize_stages_end_to_end(tmp_path: Path, donor) -> None:
     model, _, path = donor
     packed = packed_dir(tmp_path / "packed")
-    settings = SubcloneConfig(calib_tokens=512, calib_seq_len=64)
+    settings = SubcloneConfig(calib_tokens=512, calib_seq_len=64, head_fit_tokens=256, head_fit_iters=5)
     calib, metrics = run_calibration(path, packed, 16, settings, tmp_path / "donor")
     assert (tmp_path / "donor" / CALIBRATION_FILE).is_file() and metrics["calibration_tokens"] == 512
     assert json.loads((tmp_path / "donor" / "meta.json").read_text())["layers"] == 4
@@ -140,6 +140,7 @@ def test_donor_and_realize_stages_end_to_end(tmp_path: Path, donor) -> None:
     recipe = RecipeConfig(name="subclone", init="subclone", subclone=settings)
     out = run_realize(recipe, mcfg, 0, path, packed, tmp_path / "donor", tmp_path / "init", seq_len=32)
     assert np.isfinite(out["step0_val_loss"]) and 0 < out["parameter_fraction"] < 1
+    assert out["head_fit_loss_after"] <= out["head_fit_loss_before"]
     assert out["residual_variance_kept"] == pytest.approx(calib.kept_fraction(16))
     record = read_realize(tmp_path / "init")
     assert record["init"] == "subclone" and len(record["subclone"]["selection"]["layers"]) == 2
@@ -195,11 +196,29 @@ def test_realize_without_calibration_names_the_file(tmp_path: Path, donor) -> No
         (dict(calib_seq_len=1), "recipe.subclone.calib_seq_len"),
         (dict(outlier_factor=0.5), "recipe.subclone.outlier_factor"),
         (dict(layers="random"), "recipe.subclone.layers"),
+        (dict(head_fit_tokens=-1), "recipe.subclone.head_fit_tokens"),
+        (dict(head_fit_iters=0), "recipe.subclone.head_fit_iters"),
     ],
 )
 def test_bad_subclone_settings_name_the_key(kw: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=f"config key {key}: expected"):
         SubcloneConfig(**kw)
+
+
+def test_gain_fit_lowers_the_loss_and_touches_only_the_final_norm(donor) -> None:
+    model, calib, _ = donor
+    student, _ = subclone(model, calib, student_cfg(model, d_model=16, n_head=2, n_kv_head=1, n_layer=1), "first")
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, VOCAB, (6, 33)))
+    with torch.no_grad():
+        start = float(student.loss(ids[:, :-1], ids[:, 1:]))
+    fitted_before, fitted_after = fit_gain(student, ids, iters=10)
+    with torch.no_grad():
+        end = float(student.loss(ids[:, :-1], ids[:, 1:]))
+    assert fitted_before == pytest.approx(start, abs=0.05)  # the fit's head runs in bf16
+    assert fitted_after < fitted_before and end < start
+    changed = [k for k, v in student.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed == ["norm.weight"]
 
 
 def test_windows_spread_over_the_split() -> None:

@@ -25,16 +25,19 @@ class ExportConfig:
 
 @dataclass
 class EvaluateConfig:
-    """Samples written after evaluation, for fixed prompts."""
+    """Samples written after evaluation, for fixed prompts; `baseline_val_loss` (> 0: the val loss of a
+    from-scratch run of this shape, e.g. `dvc exp show`'s) adds the fraction of its gap to the donor closed."""
 
     prompts: list[str] = field(default_factory=lambda: ["The for statement", "A function definition", "Exceptions are"])
     max_new_tokens: int = 40
     temperature: float = 0.8
     top_k: int = 40
     seed: int = 0
+    baseline_val_loss: float = 0.0
 
     def __post_init__(self) -> None:
         positive(self.max_new_tokens, "evaluate.max_new_tokens")
+        at_least(self.baseline_val_loss, "evaluate.baseline_val_loss", 0, "use 0 for none")
         positive(self.temperature, "evaluate.temperature")
         at_least(self.top_k, "evaluate.top_k", 0, "use 0 for no top-k")
 

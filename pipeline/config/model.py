@@ -114,12 +114,17 @@ class SubcloneConfig:
     donor (~1000 tok/s on 2 CPU cores). A residual coordinate with more than `outlier_factor`/d of
     the energy stays an axis of its own instead of being rotated. `layers`: importance (the
     highest block influence), even (evenly spaced), first, first_last (the first n-1 and the last).
+    Realize then refits the final-norm gain on the student's own final states (`head_fit_tokens`
+    train tokens, `head_fit_iters` L-BFGS iterations; 0 tokens skips it): with fewer layers the
+    student's states are not the donor's, so the closed-form gain misjudges the logits' scale.
     """
 
     calib_tokens: int = 16384
     calib_seq_len: int = 256
     outlier_factor: float = 20.0
     layers: str = "importance"
+    head_fit_tokens: int = 4096
+    head_fit_iters: int = 25
 
     def __post_init__(self) -> None:
         integer(self.calib_seq_len, "recipe.subclone.calib_seq_len", 2, "set recipe.subclone.calib_seq_len=256")
@@ -137,6 +142,8 @@ class SubcloneConfig:
             "set recipe.subclone.outlier_factor=20",
         )
         choice(self.layers, "recipe.subclone.layers", LAYER_RULES)
+        integer(self.head_fit_tokens, "recipe.subclone.head_fit_tokens", 0, "set recipe.subclone.head_fit_tokens=4096")
+        integer(self.head_fit_iters, "recipe.subclone.head_fit_iters", 1, "set recipe.subclone.head_fit_iters=25")
 
 
 @dataclass

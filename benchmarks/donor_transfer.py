@@ -1,0 +1,115 @@
+"""What the donor is worth: every way of using it, side by side, through the real DVC stages.
+
+    python benchmarks/donor_transfer.py [--steps 400] [--methods scratch pca subclone ...] [--out FILE]
+
+Run from the project root after `make setup`. Each method is one `dvc exp run -n dt-<method>` in this
+workspace (so every stage, its metrics and its MLflow runs are the real ones), all at the same
+student shape (model=subclone: 384 wide, 6 layers, ~28M parameters), the same corpus, the same
+`train.steps` and therefore about the same training wall clock (the table shows each run's train
+seconds and what its extra stages cost: donor calibration, the teach cache):
+
+- scratch:          recipe=from-scratch, random init (optim=adamw, lr 3e-3)
+- pca:              recipe=warm-start, the donor's embedding table PCA-projected (optim=adamw)
+- distill:          recipe=distill, PCA embeddings + KL to the donor's cached top-k (optim=adamw)
+- subclone:         recipe=subclone (the default), every weight cut from the donor (optim=subclone)
+- subclone-distill: recipe=subclone-distill, both
+- subclone-8L:      the default at 8 layers (31.5M parameters), the bigger student
+
+It prints val loss, bits per byte, the step-0 val loss and the fraction of the scratch-to-donor gap
+each closes ((scratch - method) / (scratch - donor), donor = SmolLM2 itself on the same windows,
+measured by the teach stage), writes the table as JSON (`--out`), and leaves the workspace at the
+last method run (the default, `subclone`, unless `--methods` says otherwise). Loss curves:
+`dvc plots diff dt-scratch dt-subclone ...` or the MLflow UI (runs `dt-<method>/train`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS: dict[str, tuple[str, ...]] = {
+    "scratch": ("recipe=from-scratch", "optim=adamw"),
+    "pca": ("recipe=warm-start", "optim=adamw"),
+    "distill": ("recipe=distill", "optim=adamw"),
+    "subclone-distill": ("recipe=subclone-distill",),
+    "subclone-8L": ("model.n_layer=8",),
+    "subclone": (),
+}
+
+
+def run_method(name: str, steps: int, extra: list[str]) -> dict[str, float]:
+    """One `dvc exp run` of `name`; its metrics read back from the workspace it leaves."""
+    args = ["dvc", "exp", "run", "-n", f"dt-{name}", "-S", f"train.steps={steps}"]
+    for override in (*METHODS[name], *extra):
+        args += ["-S", override]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    metrics = {stage: _read(f"metrics/{stage}.json") for stage in ("realize", "train", "teach", "evaluate")}
+    ev, tr, rz = metrics["evaluate"], metrics["train"], metrics["realize"]
+    return {
+        "val_loss": ev["val_loss"],
+        "val_bpb": ev.get("val_bpb", float("nan")),
+        "donor_val_loss": ev.get("donor_val_loss", float("nan")),
+        "step0_val_loss": rz.get("step0_val_loss", float("nan")),
+        "parameters": rz.get("parameters", float("nan")),
+        "train_seconds": tr["seconds"],
+        "kept_step": tr.get("kept_step", float("nan")),
+        "teach_seconds": metrics["teach"].get("seconds", 0.0),
+        "wall_seconds": wall,
+    }
+
+
+def _read(path: str) -> dict[str, float]:
+    file = ROOT / path
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """A markdown table; the gap closed needs the scratch run and the donor's val loss."""
+    scratch = results.get("scratch", {}).get("val_loss")
+    donor = next((r["donor_val_loss"] for r in results.values() if r["donor_val_loss"] == r["donor_val_loss"]), None)
+    lines = [
+        f"donor SmolLM2 val loss on the same windows: {donor:.4f}" if donor else "donor val loss: not measured",
+        "",
+        "| method | params | step-0 val | val loss | val bpb | gap closed | train s | run wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        closed = f"{(scratch - r['val_loss']) / (scratch - donor):.0%}" if scratch and donor else "n/a"
+        lines.append(
+            f"| {name} | {r['parameters'] / 1e6:.1f}M | {r['step0_val_loss']:.3f} | {r['val_loss']:.4f} "
+            f"| {r['val_bpb']:.3f} | {closed} | {r['train_seconds']:.0f} | {r['wall_seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
+    args = parser.parse_args()
+    results: dict[str, dict[str, float]] = {}
+    for name in args.methods:
+        results[name] = run_method(name, args.steps, args.extra)
+        print(f"{name}: val {results[name]['val_loss']:.4f} in {results[name]['wall_seconds']:.0f} s", flush=True)
+    print(table(results))
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"steps": args.steps, "extra": args.extra, "results": results}, indent=2) + "\n")
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
