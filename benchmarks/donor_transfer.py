@@ -11,14 +11,14 @@ seconds and what its extra stages cost: donor calibration, the teach cache):
 - scratch:          recipe=from-scratch, random init (optim=adamw, lr 3e-3)
 - pca:              recipe=warm-start, the donor's embedding table PCA-projected (optim=adamw)
 - distill:          recipe=distill, PCA embeddings + KL to the donor's cached top-k (optim=adamw)
-- subclone:         recipe=subclone (the default), every weight cut from the donor (optim=subclone)
-- subclone-distill: recipe=subclone-distill, both
-- subclone-8L:      the default at 8 layers (31.5M parameters), the bigger student
+- subclone:         recipe=subclone, every weight cut from the donor (optim=subclone)
+- subclone-8L:      the same at 8 layers (31.5M parameters), the bigger student
+- subclone-distill: recipe=subclone-distill (the default), both
 
 It prints val loss, bits per byte, the step-0 val loss and the fraction of the scratch-to-donor gap
 each closes ((scratch - method) / (scratch - donor), donor = SmolLM2 itself on the same windows,
 measured by the teach stage), writes the table as JSON (`--out`), and leaves the workspace at the
-last method run (the default, `subclone`, unless `--methods` says otherwise). Loss curves:
+last method run (the default, `subclone-distill`, unless `--methods` says otherwise). Loss curves:
 `dvc plots diff dt-scratch dt-subclone ...` or the MLflow UI (runs `dt-<method>/train`).
 """
 
@@ -37,9 +37,9 @@ METHODS: dict[str, tuple[str, ...]] = {
     "scratch": ("recipe=from-scratch", "optim=adamw"),
     "pca": ("recipe=warm-start", "optim=adamw"),
     "distill": ("recipe=distill", "optim=adamw"),
+    "subclone": ("recipe=subclone",),
+    "subclone-8L": ("recipe=subclone", "model.n_layer=8"),
     "subclone-distill": ("recipe=subclone-distill",),
-    "subclone-8L": ("model.n_layer=8",),
-    "subclone": (),
 }
 
 
