@@ -326,6 +326,11 @@ def export_merged_gguf(
 ) -> Path:
     """`model` as a model GGUF, adapters merged and quantized layers dequantized in a copy (the
     model itself keeps them)."""
+    return export_gguf(plain_model(model), Path(path), tokenizer_meta, provenance, dtype)
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """`model` with adapters merged and quantized layers dequantized, in a copy (or itself when it has neither)."""
     if lora_layers(model) or any(isinstance(m, QuantLinear) for m in model.modules()):
-        model = dequantize_model(merge_lora(copy.deepcopy(model)))
-    return export_gguf(model, Path(path), tokenizer_meta, provenance, dtype)
+        return dequantize_model(merge_lora(copy.deepcopy(model)))
+    return model
