@@ -8,7 +8,7 @@ so every layer may import them.
 
 from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
-from pipeline.config.generate import GenerateConfig
+from pipeline.config.generate import ChatConfig, GenerateConfig
 from pipeline.config.model import (
     FINETUNE_MODES,
     INITS,
@@ -48,6 +48,7 @@ __all__ = [
     "DonorConfig",
     "EvaluateConfig",
     "ExportConfig",
+    "ChatConfig",
     "GenerateConfig",
     "LoraConfig",
     "ModelConfig",
