@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,32 @@ def test_peft_loads_our_adapter_with_equal_logprobs(setup: Setup, hf_base) -> No
         assert lora_layers(setup.model)["blocks.0.attn.wq"].lora_B.abs().sum() > 0
     finally:
         model.unload()
+
+
+def test_exported_peft_adapter_loads_on_another_machine(setup: Setup, hf_base, tmp_path: Path) -> None:
+    """The export names its base hub-style (from the donor's general.* keys and file name), never by a
+    local path: the adapter dir copied elsewhere (the original deleted) loads in peft and in our loader."""
+    import peft
+
+    from pipeline.generate import load_for_generation
+    from pipeline.ship import donor_identity
+
+    base_name = donor_identity(GGUFFile(setup.base_path)).model_id
+    made = save_peft_adapter(setup.model, setup.dir / "peft-shipped", base_model=base_name)
+    moved = tmp_path / "elsewhere" / "adapter"
+    shutil.copytree(made, moved)
+    shutil.rmtree(made)
+    name = peft.PeftConfig.from_pretrained(str(moved)).base_model_name_or_path
+    assert name == base_name and not Path(name).is_absolute() and str(setup.dir) not in name
+    want = logprobs(setup.model, setup.x)
+    model = peft.PeftModel.from_pretrained(hf_base, str(moved)).eval()
+    try:
+        with torch.no_grad():
+            assert (torch.log_softmax(model(setup.x).logits.double(), -1) - want).abs().max().item() < 1e-3
+    finally:
+        model.unload()
+    ours, _, _ = load_for_generation(str(setup.base_path), lora=str(moved))
+    assert (logprobs(ours.eval(), setup.x) - want).abs().max().item() < 1e-4
 
 
 def test_peft_saved_adapter_reads_back_into_ours(setup: Setup, hf_base, tmp_path: Path) -> None:

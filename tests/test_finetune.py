@@ -286,6 +286,8 @@ def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: B
     assert adapter.rank == 4 and adapter.alpha == 8.0 and adapter.targets == ("q", "v")
     for name, t in adapter.state.items():
         assert torch.equal(t, dict(trained.named_parameters())[name].detach())
+    base_name = json.loads((out / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_name == "base" and str(lora_run.base_path.parent) not in base_name  # portable: no local path
     peft = read_peft_adapter(out / "peft", trained.cfg)
     assert all(torch.equal(t, adapter.state[n]) for n, t in peft.state.items())
     cfg = PipelineConfig(

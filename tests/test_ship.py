@@ -26,7 +26,7 @@ from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 from pipeline.parity import compare, llamacpp_logprobs, llamacpp_parity
-from pipeline.ship import ShipInfo
+from pipeline.ship import ShipInfo, donor_identity
 from tests.conftest import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -134,6 +134,14 @@ def test_export_is_named_by_convention_with_keys_and_card(tmp_path: Path, smollm
     values = {r["name"]: r["value"] for r in front["model-index"][0]["results"][0]["metrics"]}
     assert values["validation loss (nats/token) of the exported weights"] == 3.25  # the kept weights' val loss
     assert f"llama-server -m {named.name}" in text and f'gguf_file="{named.name}"' in text
+
+
+def test_donor_identity_is_the_hub_name(smollm2: GGUFFile) -> None:
+    """The packaged donor's keys say basename smollm2 and a run tag as finetune; its file name gives
+    the hub repo's casing and variant, and the organization key the owner."""
+    ident = donor_identity(smollm2)
+    assert ident.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct" and ident.variant == "Instruct"
+    assert (ident.basename, ident.size_label, ident.license) == ("SmolLM2", "135M", "apache-2.0")
 
 
 def _broken_export(path: Path, model: Llama, tok_meta: dict) -> Path:
