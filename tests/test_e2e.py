@@ -263,7 +263,10 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
     assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
     export = project / "models" / "export"
-    assert {p.name for p in export.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
+    named = "SmolLM2-135M-Instruct-lora-pydoc-F32.gguf"  # the conventional name beside the stable one
+    assert {p.name for p in export.iterdir()} == {"model.gguf", named, "README.md", "adapter.gguf", "peft"}
+    if "llamacpp_mean_kl" in evaluate:  # llama-cpp-python installed: evaluate ran the file in llama.cpp
+        assert evaluate["llamacpp_mean_kl"] < 0.03 and evaluate["llamacpp_top1_agreement"] > 0.9
     from pipeline.finetune.adapters import read_adapter_gguf
 
     adapter = read_adapter_gguf(export / "adapter.gguf")
