@@ -63,19 +63,15 @@ def llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 1) ->
     One thread: on a busy small machine ggml's spinning worker threads make it many times slower.
     """
     import llama_cpp
-    from llama_cpp._utils import suppress_stdout_stderr
 
     n_ctx = max(len(w) for w in windows)
-    with suppress_stdout_stderr(disable=False):  # its context warnings print even with verbose=False
-        llm = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            logits_all=True,
-            n_threads=threads,
-            n_threads_batch=threads,
-            verbose=False,
-        )
+    try:
+        llm = _open(llama_cpp, gguf, n_ctx, threads)
+    except ValueError as e:  # llama-cpp-python's "Failed to load model from file"
+        raise PipelineError(
+            f"{gguf}: expected a GGUF llama.cpp loads, found {e}; fix: the shipped file would not run in "
+            "llama.cpp: re-export it, or set evaluate.llamacpp_windows=0 to skip the check"
+        ) from None
     out = []
     try:
         for ids in windows:
@@ -85,6 +81,21 @@ def llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 1) ->
     finally:
         llm.close()
     return out
+
+
+def _open(llama_cpp, gguf: Path, n_ctx: int, threads: int):
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    with suppress_stdout_stderr(disable=False):  # its context warnings print even with verbose=False
+        return llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            logits_all=True,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
 
 
 @torch.no_grad()

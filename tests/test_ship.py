@@ -190,3 +190,14 @@ def test_val_windows_of_a_stream_are_evaluates_windows() -> None:
     windows = val_windows(val, 64, 10)
     assert len(windows) == 4 and windows[1] == list(range(64, 128))
     assert torch.equal(torch.tensor(windows[0]), torch.arange(64))
+
+
+def test_parity_on_a_file_llamacpp_cannot_load_is_one_line(tmp_path: Path, model: Llama) -> None:
+    pytest.importorskip("llama_cpp")
+    path = write_tiny_gguf(tmp_path / "tok.gguf", vocab=256, width=16, model=True)
+    meta = donor_tokenizer_metadata(GGUFFile(path))  # pre-tokenizer `gpt2`: llama.cpp does not know it
+    gguf = export_llama(model, tmp_path / "m.gguf", meta, {}, "f32")
+    with pytest.raises(PipelineError) as err:
+        llamacpp_parity(gguf, model, np.arange(100, dtype=np.uint16), 32, 1, 0.03)
+    message = str(err.value)
+    assert "expected a GGUF llama.cpp loads" in message and "llamacpp_windows=0" in message and "\n" not in message
