@@ -51,9 +51,11 @@ def summary(inp: ReportInputs) -> Section:
             "Bits per byte (`val_bpb`) is the val loss per UTF-8 byte of the val text: unlike loss and "
             "perplexity it compares models with different tokenizers."
         )
-    facts = {"recipe": inp.recipe}
-    facts.update({k: v for k, v in (("parameters", m.get("realize", {}).get("parameters")),) if v is not None})
-    facts.update({k: m.get("train", {}).get(k) for k in ("steps", "kept_step", "seconds") if k in m.get("train", {})})
+    train, realize = m.get("train", {}), m.get("realize", {})
+    facts: dict[str, object] = {"recipe": inp.recipe}
+    named = (("parameters", realize, "parameters"), ("train steps", train, "steps"), ("kept step", train, "kept_step"))
+    named += (("train seconds", train, "seconds"), ("tokens seen", train, "tokens_seen"))
+    facts.update({label: src[key] for label, src, key in named if key in src})
     return Section("Summary", text, [key_value_table(headline, ("metric", "value")), key_value_table(facts)])
 
 
