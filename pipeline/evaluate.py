@@ -100,7 +100,7 @@ def reference_metrics(val_loss: float, packed_dir: Path, teach_dir: Path | None,
     ratio) when pack counted bytes; `donor_val_loss`, `donor_val_bpb` and `gap_to_donor` when the
     teach stage measured the donor on this val split at this seq_len."""
     meta = load_meta(packed_dir)
-    bits = meta.tokens["val"] / meta.bytes["val"] / math.log(2) if meta.bytes and meta.bytes.get("val") else None
+    bits = meta.bits_per_token("val")
     out = {} if bits is None else {"val_bpb": val_loss * bits}
     if teach_dir is None or not (Path(teach_dir) / TEACH_META).is_file():
         return out

@@ -118,6 +118,14 @@ class Run:
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def parent_id(self) -> str | None:
+        """The run that groups this one (the pipeline execution or the sweep), if any."""
+        return _retry(lambda: self._client.get_run(self.run_id)).data.tags.get("mlflow.parentRunId")
+
+    def log_artifact_to(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        """An artifact on another run of this store (a stage's report on its pipeline's parent run)."""
+        self._client.log_artifact(run_id, str(path), artifact_path)
+
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as an image artifact (shown in the run's Artifacts tab)."""
         self._client.log_figure(self.run_id, figure, artifact_file)
@@ -182,3 +190,51 @@ class Tracker:
             if params:
                 run.log_params(params)
             return run
+
+
+@dataclass
+class RunRecord:
+    """A run read back from the store as plain data (times in ms since the epoch)."""
+
+    run_id: str
+    name: str
+    status: str
+    start_ms: int
+    end_ms: int | None
+    tags: dict[str, str]
+    params: dict[str, str]
+    metrics: dict[str, float]
+
+
+def stage_runs(tracking_uri: str, experiment: str, stage: str, max_results: int = 50) -> list[RunRecord]:
+    """The newest finished runs of `stage` (tag `stage`) in `experiment`, newest first; [] when the
+    store or the experiment does not exist (a local SQLite file is never created just to be read)."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = _retry(lambda: client.get_experiment_by_name(experiment))
+    if exp is None:
+        return []
+    found = _retry(
+        lambda: client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.stage = '{stage}' and attributes.status = 'FINISHED'",
+            max_results=max_results,
+            order_by=["attributes.start_time DESC"],
+        )
+    )
+    return [
+        RunRecord(
+            r.info.run_id,
+            r.info.run_name or r.info.run_id,
+            r.info.status,
+            r.info.start_time,
+            r.info.end_time,
+            dict(r.data.tags),
+            dict(r.data.params),
+            dict(r.data.metrics),
+        )
+        for r in found
+    ]

@@ -6,7 +6,14 @@ objects as they are. The schemas import only the error shape and the pure-data t
 so every layer may import them.
 """
 
-from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
+from pipeline.config.composed import (
+    EXPORT_TYPES,
+    EvaluateConfig,
+    ExportConfig,
+    PipelineConfig,
+    ReportConfig,
+    TrackingConfig,
+)
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
 from pipeline.config.generate import ChatConfig, GenerateConfig
 from pipeline.config.model import (
@@ -55,6 +62,7 @@ __all__ = [
     "OptimConfig",
     "PipelineConfig",
     "RecipeConfig",
+    "ReportConfig",
     "SubcloneConfig",
     "TrackingConfig",
     "TrainConfig",

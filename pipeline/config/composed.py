@@ -52,6 +52,16 @@ class EvaluateConfig:
 
 
 @dataclass
+class ReportConfig:
+    """The report stage: how many of the newest evaluate runs in the MLflow experiment it compares this run with."""
+
+    compare_runs: int = 10
+
+    def __post_init__(self) -> None:
+        at_least(self.compare_runs, "report.compare_runs", 0, "use 0 for no comparison")
+
+
+@dataclass
 class TrackingConfig:
     """MLflow experiment name; the store URI comes from MLFLOW_TRACKING_URI or the repo's mlflow.db."""
 
@@ -72,6 +82,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     output: str = "text"  # text | quiet | json (one JSON object with the stage's metrics on stdout)
 
