@@ -1,13 +1,17 @@
 """Kill safety under fire: train SIGKILLed ten times (at random moments, some in the middle of a
 checkpoint write) and resumed each time ends bit-identical to an uninterrupted run, in the same
-MLflow run with exactly one value per step; temp files of killed processes are removed later."""
+MLflow run with exactly one value per step; a SIGKILL mid-export leaves the last export whole; temp
+files of killed processes are removed by the next write of the same path, those of live ones kept."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.files import sha256_file
 from tests.test_resume import assert_same_weights, make_project, newest_step, stage_cmd, stage_env, start
 
 STEPS = 48  # ten kills advance at most ~40 steps (see `kill_once`): the last run still trains
@@ -110,3 +115,55 @@ def test_ten_sigkills_then_resume_is_bit_identical_with_one_metric_value_per_ste
     assert metrics["loss/train"] == ref_metrics["loss/train"] and metrics["loss/val"] == ref_metrics["loss/val"]
     # the temp directories of the killed writers are gone
     assert not list(ckpt_dir.glob("*/.step-*")) and not list(out.parent.glob(".train.*"))
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (reaped: no process has it, barring a quick reuse)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_write_removes_the_temps_of_dead_writers_only(tmp_path: Path) -> None:
+    from pipeline.files import atomic_dir, atomic_file, write_json
+
+    dead, live = dead_pid(), os.getppid()
+    stale = [tmp_path / f".meta.json.tmp-{dead}", tmp_path / f".ids.tmp-{dead}.npz"]
+    stale_dirs = [tmp_path / f".train.tmp-{dead}", tmp_path / f".train.old-{dead}"]
+    kept = [tmp_path / f".meta.json.tmp-{live}", tmp_path / f".other.json.tmp-{dead}", tmp_path / ".meta.json.tmp-x"]
+    for p in stale + kept:
+        p.write_bytes(b"half")
+    for d in stale_dirs:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    write_json(tmp_path / "meta.json", {"ok": 1})
+    assert not stale[0].exists() and all(p.exists() for p in kept), "only meta.json's dead temps go"
+    with atomic_dir(tmp_path / "train") as d:
+        (d / "model.safetensors").write_bytes(b"whole")
+    assert not any(d.exists() for d in stale_dirs)
+    assert (tmp_path / "train" / "model.safetensors").read_bytes() == b"whole"
+    with atomic_file(tmp_path / "ids", suffix=".npz") as t:
+        t.write_bytes(b"whole")
+    assert not stale[1].exists() and all(p.exists() for p in kept)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_export_leaves_the_last_export_and_the_next_run_clears_its_temp(
+    project: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "export"
+    shutil.copytree(project / "models" / "init", root / "models" / "train")  # export reads any model dir
+    cmd = [sys.executable, "-m", "stages.export", "tracking.enabled=false"]
+    out = root / "models" / "export" / "model.gguf"
+    run_to_end(root, cmd)
+    first = sha256_file(out)
+    proc = start(root, cmd)
+    wait_until(proc, lambda: any((root / "models").glob(f".export.tmp-{proc.pid}/.model.gguf.tmp-{proc.pid}")))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    left = root / "models" / f".export.tmp-{proc.pid}"
+    assert left.is_dir() and sha256_file(out) == first, "the killed write must not touch models/export"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]
+    run_to_end(root, cmd)
+    assert not left.exists() and sha256_file(out) == first
+    assert sorted(p.name for p in (root / "models").iterdir()) == ["export", "train"]

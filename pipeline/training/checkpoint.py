@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, problem
-from pipeline.files import atomic_dir, flatten, sha256_file
+from pipeline.files import atomic_dir, flatten, pid_alive, sha256_file
 
 FORMAT = 1
 STATE_FILE = "state.json"
@@ -189,17 +189,5 @@ def remove_stale_temps(root: Path) -> None:
         return
     for p in Path(root).iterdir():
         m = _TEMP_DIR.match(p.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
