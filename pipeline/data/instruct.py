@@ -90,10 +90,21 @@ def parse_example(line: str, where: str) -> Example:
                 problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
             )
         prior = tuple({"role": m["role"], "content": m["content"]} for m in msgs[:-1])
-        return Example(prior, msgs[-1]["content"], where)
+        return _answered(Example(prior, msgs[-1]["content"], where), "the last message's content")
     if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
         raise DataError(problem(where, shape, f"keys {sorted(obj)}", "fix or remove the line"))
-    return Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where)
+    return _answered(Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where), '"response"')
+
+
+def _answered(ex: Example, field: str) -> Example:
+    """An empty answer would teach only the template's end-of-turn token (the chat template's own
+    text counts as the response), so it is refused rather than trained on."""
+    if not ex.response.strip():
+        found = "an empty string" if not ex.response else f"only whitespace ({ex.response!r})"
+        raise DataError(
+            problem(f"{ex.where} {field}", "a non-empty response", found, "write the answer or remove the line")
+        )
+    return ex
 
 
 # ----- formatting and tokenizing -----
