@@ -112,6 +112,65 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_one_before_used(project: 
     assert len(reports) == 1 and "step-00000008" in reports[0] and "corrupt" in reports[0]
 
 
+@pytest.fixture(scope="module")
+def trained(project: Path, tmp_path_factory) -> Path:
+    """The checkpoints of one TCFG run (steps 4, 6, 8), for tests that spoil a copy."""
+    ckpt_dir = tmp_path_factory.mktemp("trained")
+    run_lib(project, TCFG, ckpt_dir)
+    return ckpt_dir
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"step": "8"}, "step: expected int, found str '8'"),
+        ({"history": {"1": 2}}, "history: expected list"),
+        ({"mlflow_run_id": 7}, "mlflow_run_id: expected str or null, found int 7"),
+        ({"best_val_loss": "low", "skipped_steps": -1}, "(>= 0), found -1; best_val_loss: expected float or null"),
+        ({"files": None}, "files: expected dict"),
+    ],
+)
+def test_a_checkpoint_state_of_wrong_types_is_named_and_skipped(project, trained: Path, tmp_path: Path, edit, named):
+    ckpt.shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    (root,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    state_file = root / ckpt.step_name(8) / "state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), **edit}))
+    reports: list[str] = []
+    again = plan_checkpoints(
+        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+    )
+    assert again.resume is not None and again.resume.step == 6  # train.resume=auto: the one before it
+    assert len(reports) == 1 and f"{state_file}: expected a checkpoint state as train writes it" in reports[0]
+    assert named in reports[0] and "fix: delete that step directory" in reports[0], reports[0]
+    with pytest.raises(ckpt.CheckpointError, match="train.resume=never") as info:  # an explicit path: refused
+        ckpt.resolve(state_file.parent)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_train_state_of_wrong_types_is_one_named_line_from_export(project: Path, tmp_path: Path) -> None:
+    from pipeline.modeldir import TrainState, read_train_state
+
+    train_dir = tmp_path / "models" / "train"
+    ckpt.shutil.copytree(project / "models" / "init", train_dir)
+    good = TrainState(steps=8, tokens_seen=1024, final_train_loss=3.0, final_val_loss=3.5, seq_len=32, batch_size=4)
+    (train_dir / "train_state.json").write_text(json.dumps({**vars(good), "steps": "eight", "kept_step": 2.5}))
+    with pytest.raises(ConfigError) as info:
+        read_train_state(train_dir)
+    message = str(info.value)
+    assert message.startswith(f"{train_dir / 'train_state.json'}: expected a train state as the train stage writes it")
+    assert "steps: expected int, found str 'eight'; kept_step: expected int or null, found float 2.5" in message
+    assert message.endswith("fix: the train stage writes it: re-run `dvc repro -f train`")
+    (train_dir / "train_state.json").write_text(json.dumps({k: v for k, v in vars(good).items() if k != "seq_len"}))
+    with pytest.raises(ConfigError, match="seq_len: missing"):
+        read_train_state(train_dir)
+    env = {**stage_env(project), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    cmd = [sys.executable, "-m", "stages.export", "tracking.enabled=false"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "seq_len: missing" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "models" / "export").exists()
+
+
 def test_a_crash_mid_write_leaves_the_previous_checkpoints(tmp_path: Path) -> None:
     def good(p: Path) -> None:
         p.write_bytes(b"weights")
