@@ -31,6 +31,7 @@ class DataConfig:
     template: str = "auto"  # auto (the base GGUF's chat template if it has one) | chat | plain
     plain_prompt: str = "Question: {prompt}\nAnswer: "
     plain_response: str = "{response}"
+    parse_special: bool = False  # true: special-token strings typed in examples become control tokens (trusted data)
     min_prompt_tokens: int = 1  # truncation cuts the prompt's start down to this, then the response's end
     pack: bool = True  # several examples per row, attention kept inside each
     max_chars: int = 600  # pydoc Q/A set: answer length cap (whole paragraphs)

@@ -20,6 +20,7 @@ class GenerateConfig:
     lora: str = ""  # a LoRA adapter on top (llama.cpp adapter GGUF or PEFT dir), as llama-cli --lora
     chat: bool = False  # render the prompt with the GGUF's tokenizer.chat_template
     system: str = ""  # optional system message for chat
+    parse_special: bool = False  # true: special-token strings typed in prompt/system become control tokens
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 40

@@ -28,6 +28,7 @@ from pipeline.data.split import split_indices
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.files import atomic_dir, write_text
 from pipeline.gguf.chat import render_messages
+from pipeline.gguf.spans import Span, cut, encode_spans, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.models.losses import IGNORE_INDEX
 
@@ -90,10 +91,21 @@ def parse_example(line: str, where: str) -> Example:
                 problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
             )
         prior = tuple({"role": m["role"], "content": m["content"]} for m in msgs[:-1])
-        return Example(prior, msgs[-1]["content"], where)
+        return _answered(Example(prior, msgs[-1]["content"], where), "the last message's content")
     if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
         raise DataError(problem(where, shape, f"keys {sorted(obj)}", "fix or remove the line"))
-    return Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where)
+    return _answered(Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where), '"response"')
+
+
+def _answered(ex: Example, field: str) -> Example:
+    """An empty answer would teach only the template's end-of-turn token (the chat template's own
+    text counts as the response), so it is refused rather than trained on."""
+    if not ex.response.strip():
+        found = "an empty string" if not ex.response else f"only whitespace ({ex.response!r})"
+        raise DataError(
+            problem(f"{ex.where} {field}", "a non-empty response", found, "write the answer or remove the line")
+        )
+    return ex
 
 
 # ----- formatting and tokenizing -----
@@ -139,15 +151,36 @@ class Formatter:
             )
         return prompt, full[len(prompt) :]
 
-    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+    def spans(self, ex: Example) -> tuple[list[Span], list[Span]]:
+        """`texts` as spans: the template's text trusted, the example's own text (prompt, response,
+        message contents) untrusted unless data.parse_special (see `pipeline.gguf.spans`)."""
         prompt_text, response_text = self.texts(ex)
-        prompt = self.tok.encode(prompt_text)
+        if self.cfg.parse_special:
+            return [(prompt_text, True)], [(response_text, True)]
+        if self.chat_template is None:
+            prompt = _fill(self.cfg.plain_prompt, "{prompt}", "\n\n".join(m["content"] for m in ex.messages))
+            return prompt, _fill(self.cfg.plain_response, "{response}", ex.response)
+        answered = [*ex.messages, {"role": "assistant", "content": ex.response}]
+        return cut(render_spans(self.tok, self.chat_template, answered, add_generation_prompt=False), len(prompt_text))
+
+    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+        prompt_spans, response_spans = self.spans(ex)
+        prompt = encode_spans(self.tok, prompt_spans)
         if self.tok.add_bos and self.tok.bos_id is not None and prompt[:1] != [self.tok.bos_id]:
             prompt = [self.tok.bos_id, *prompt]
-        response = self.tok.encode(response_text) if response_text else []
+        response = encode_spans(self.tok, response_spans)
         if self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
             response.append(self.tok.eos_id)
         return prompt, response
+
+
+def _fill(template: str, field: str, text: str) -> list[Span]:
+    """A plain template's text (trusted) with `text` (untrusted) at each `field`."""
+    pieces = template.split(field)
+    spans = [(pieces[0], True)]
+    for piece in pieces[1:]:
+        spans += [(text, False), (piece, True)]
+    return [(t, trusted) for t, trusted in spans if t]
 
 
 def truncate(
