@@ -14,8 +14,9 @@ TEMPLATES = ("auto", "chat", "plain")
 class DataConfig:
     """Which corpus to pack and how: running text (pydoc, text, dir, jsonl, parquet) or instruction examples.
 
-    `instruct`: `path` is a JSONL file of {"prompt", "response"} or {"messages": [...]} lines, or
-    empty for the built-in pydoc Q/A set; the instruct keys say how examples become rows.
+    `instruct`: `path` is a JSONL file of {"prompt", "response"|"completion"}, Alpaca, ShareGPT or
+    {"messages": [...]} lines, or empty for the built-in pydoc Q/A set; the instruct keys say how
+    examples become rows.
     """
 
     source: str = "pydoc"  # pydoc | text | dir | jsonl | parquet | instruct
@@ -33,6 +34,7 @@ class DataConfig:
     plain_response: str = "{response}"
     min_prompt_tokens: int = 1  # truncation cuts the prompt's start down to this, then the response's end
     pack: bool = True  # several examples per row, attention kept inside each
+    all_turns: bool = False  # learn every assistant turn of a conversation, not only the last
     max_chars: int = 600  # pydoc Q/A set: answer length cap (whole paragraphs)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import DataConfig
+from pipeline.data.instruct_formats import conversation
 from pipeline.data.packed import SPLITS, Packed, PackMeta, save_rows, write_meta
 from pipeline.data.pydoc_qa import write_pydoc_instruct
 from pipeline.data.split import split_indices
@@ -45,7 +46,7 @@ class Example:
 
 
 def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
-    """Examples from JSONL lines `{"prompt", "response"}` or `{"messages": [...]}` (last = assistant).
+    """Examples from JSONL lines: `{"prompt", "response"|"completion"}`, Alpaca, ShareGPT or `{"messages"}`.
 
     Blank lines are allowed; any other malformed line is an error naming its line number.
     """
@@ -68,32 +69,14 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
 
 
 def parse_example(line: str, where: str) -> Example:
-    """One JSONL line as an Example, or a DataError saying what is wrong with it."""
+    """One JSONL line (any shape of `pipeline.data.instruct_formats`) as an Example, or a DataError
+    saying what is wrong with it."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
-    shape = 'an object with string "prompt" and "response", or "messages" ending with an assistant message'
-    if not isinstance(obj, dict):
-        raise DataError(problem(where, shape, type(obj).__name__, "fix or remove the line"))
-    if "messages" in obj:
-        msgs = obj["messages"]
-        ok = isinstance(msgs, list) and len(msgs) >= 2
-        ok = ok and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
-        ok = ok and all(isinstance(m.get("content"), str) for m in msgs)
-        if not ok:
-            raise DataError(
-                problem(where, "messages: a list of >= 2 {role, content} strings", repr(msgs)[:80], "fix the line")
-            )
-        if msgs[-1]["role"] != "assistant":
-            raise DataError(
-                problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
-            )
-        prior = tuple({"role": m["role"], "content": m["content"]} for m in msgs[:-1])
-        return Example(prior, msgs[-1]["content"], where)
-    if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
-        raise DataError(problem(where, shape, f"keys {sorted(obj)}", "fix or remove the line"))
-    return Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where)
+    msgs = conversation(obj, where)
+    return Example(tuple(msgs[:-1]), msgs[-1]["content"], where)
 
 
 # ----- formatting and tokenizing -----
@@ -141,13 +124,29 @@ class Formatter:
 
     def encode(self, ex: Example) -> tuple[list[int], list[int]]:
         prompt_text, response_text = self.texts(ex)
-        prompt = self.tok.encode(prompt_text)
-        if self.tok.add_bos and self.tok.bos_id is not None and prompt[:1] != [self.tok.bos_id]:
-            prompt = [self.tok.bos_id, *prompt]
-        response = self.tok.encode(response_text) if response_text else []
-        if self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
-            response.append(self.tok.eos_id)
-        return prompt, response
+        return self._ids(prompt_text, first=True), self._ids(response_text, answer=True)
+
+    def _ids(self, text: str, first: bool = False, answer: bool = False) -> list[int]:
+        """A piece's ids: the first starts with BOS when the GGUF asks for it; a plain answer ends with EOS."""
+        ids = self.tok.encode(text) if text else []
+        if first and self.tok.add_bos and self.tok.bos_id is not None and ids[:1] != [self.tok.bos_id]:
+            ids = [self.tok.bos_id, *ids]
+        if answer and self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
+            ids.append(self.tok.eos_id)
+        return ids
+
+    def encode_turns(self, ex: Example) -> tuple[list[int], list[int], list[bool]]:
+        """Every assistant turn learned (`data.all_turns`): the ids before the first answer, the ids after
+        it, and which of those are answer tokens. One answer gives exactly `encode`'s ids."""
+        pieces = turn_texts(self, ex)
+        prompt = self._ids(pieces[0][0], first=True)
+        rest: list[int] = []
+        mask: list[bool] = []
+        for text, is_answer in pieces[1:]:
+            ids = self._ids(text, answer=is_answer)
+            rest += ids
+            mask += [is_answer] * len(ids)
+        return prompt, rest, mask
 
 
 def truncate(
@@ -178,12 +177,53 @@ def truncate(
     return prompt, response, truncated
 
 
-def example_arrays(prompt: list[int], response: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """input ids (n) and labels (n): label[t] = token[t+1] when it is a response token, else -100."""
+def example_arrays(
+    prompt: list[int], response: list[int], mask: list[bool] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """input ids (n) and labels (n): label[t] = token[t+1] when it is a response token (one `mask` marks,
+    when given: every assistant turn after the first answer's start), else -100."""
     tokens = np.asarray(prompt + response, dtype=np.int64)
+    target = np.zeros(len(tokens), dtype=bool)
+    target[len(prompt) :] = True if mask is None else mask
+    target[:1] = False  # the first token has no predecessor to predict it
     labels = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
-    labels[max(len(prompt), 1) - 1 : len(tokens) - 1] = tokens[max(len(prompt), 1) :]
+    labels[:-1] = np.where(target[1:], tokens[1:], IGNORE_INDEX)
     return tokens, labels
+
+
+def turn_texts(fmt: Formatter, ex: Example) -> list[tuple[str, bool]]:
+    """The conversation as (text, is an assistant answer) pieces, every assistant turn an answer: what
+    `data.all_turns` trains on. One answer gives exactly `Formatter.texts`' prompt and response."""
+    msgs = [*ex.messages, {"role": "assistant", "content": ex.response}]
+    pieces: list[tuple[str, bool]] = []
+    if fmt.chat_template is None:
+        pending: list[str] = []
+        for m in msgs:
+            if m["role"] != "assistant":
+                pending.append(m["content"])
+                continue
+            pieces.append((fmt.cfg.plain_prompt.replace("{prompt}", "\n\n".join(pending)), False))
+            pieces.append((fmt.cfg.plain_response.replace("{response}", m["content"]), True))
+            pending = []
+        return pieces
+    done = ""
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = render_messages(fmt.tok, fmt.chat_template, msgs[:k], add_generation_prompt=True)
+        after = render_messages(fmt.tok, fmt.chat_template, msgs[: k + 1], add_generation_prompt=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise DataError(
+                problem(
+                    f"{ex.where} (chat template, assistant turn {k})",
+                    "each rendering to extend the previous one, so the answers can be cut out",
+                    "a different prefix",
+                    "use data.template=plain or data.all_turns=false",
+                )
+            )
+        pieces += [(before[len(done) :], False), (after[len(before) :], True)]
+        done = after
+    return pieces
 
 
 def pack_examples(
@@ -211,6 +251,19 @@ def pack_examples(
     return x, y, seg
 
 
+def encode_example(
+    fmt: Formatter, ex: Example, cfg: DataConfig, bos_id: int | None
+) -> tuple[list[int], list[int], list[bool] | None, bool]:
+    """Prompt ids, response ids (with `data.all_turns`: everything after the first answer's start, and a
+    mask of the answer tokens), truncated to `max_seq_len`; an example left with nothing to learn is an error."""
+    if not cfg.all_turns:
+        prompt, response, cut = truncate(*fmt.encode(ex), cfg, bos_id, ex.where)
+        return prompt, response, None, cut
+    prompt, rest, mask = fmt.encode_turns(ex)
+    prompt, rest, cut = truncate(prompt, rest, cfg, bos_id, ex.where)
+    return prompt, rest, mask[: len(rest)], cut
+
+
 def build_instruct(
     examples: list[Example], tokenizer: GGUFTokenizer, metadata: dict[str, Any], cfg: DataConfig
 ) -> Packed:
@@ -219,12 +272,11 @@ def build_instruct(
     encoded = []
     stats = {"examples": len(examples), "truncated": 0, "prompt_tokens": 0, "response_tokens": 0}
     for ex in examples:
-        prompt, response = fmt.encode(ex)
-        prompt, response, cut = truncate(prompt, response, cfg, tokenizer.bos_id, ex.where)
+        prompt, response, mask, cut = encode_example(fmt, ex, cfg, tokenizer.bos_id)
         stats["truncated"] += int(cut)
         stats["prompt_tokens"] += len(prompt)
         stats["response_tokens"] += len(response)
-        encoded.append(example_arrays(prompt, response))
+        encoded.append(example_arrays(prompt, response, mask))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     x, y, seg = pack_examples(encoded, cfg.max_seq_len, pad, cfg.pack)
     stats["rows"] = int(x.shape[0])
