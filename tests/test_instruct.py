@@ -108,7 +108,7 @@ def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, patt
 
 
 def test_an_empty_response_in_the_users_file_is_named_before_anything_is_written(tmp_path: Path) -> None:
-    from pipeline.data.instruct import write_instruct_splits
+    from pipeline.data.instruct_pack import write_instruct_splits
 
     good = json.dumps({"prompt": "ok", "response": "fine"})
     path = write_lines(tmp_path / "my.jsonl", [good, good, "", json.dumps({"prompt": "q", "response": "\n"})])
