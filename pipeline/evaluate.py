@@ -27,6 +27,7 @@ from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import read_train_state
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import generate_ids
+from pipeline.parity import llamacpp_parity
 from pipeline.training.runtime import pick_device
 from pipeline.training.validation import response_nll, validation_loss
 
@@ -44,12 +45,17 @@ def run_evaluate(
 
     Instruct data: response NLL over the val rows, the base GGUF's (`donor`) beside it for a
     fine-tune, and greedy answers of both to the first held-out prompts.
+
+    With llama-cpp-python installed, also llama.cpp's agreement with us on the first val windows
+    (pipeline.parity; a mean KL above `evaluate.llamacpp_max_kl` fails).
     """
     model, g = load_gguf(gguf)
     dev = pick_device(cfg.train.device)
     model.to(dev)
     val = load_data(packed_dir, "val")
     metrics = _val_metrics(model, val, cfg, dev, train_dir, gguf)
+    ecfg = cfg.evaluate
+    metrics.update(llamacpp_parity(gguf, model, val, cfg.train.seq_len, ecfg.llamacpp_windows, ecfg.llamacpp_max_kl))
     tok = tokenizer_from_gguf(g)
     if not is_rows(val):
         metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
@@ -94,7 +100,7 @@ def reference_metrics(val_loss: float, packed_dir: Path, teach_dir: Path | None,
     ratio) when pack counted bytes; `donor_val_loss`, `donor_val_bpb` and `gap_to_donor` when the
     teach stage measured the donor on this val split at this seq_len."""
     meta = load_meta(packed_dir)
-    bits = meta.tokens["val"] / meta.bytes["val"] / math.log(2) if meta.bytes and meta.bytes.get("val") else None
+    bits = meta.bits_per_token("val")
     out = {} if bits is None else {"val_bpb": val_loss * bits}
     if teach_dir is None or not (Path(teach_dir) / TEACH_META).is_file():
         return out

@@ -1,46 +1,98 @@
 """The export stage: the trained model as a GGUF that llama.cpp and transformers load, with the
-donor's tokenizer and our provenance; for a LoRA/QLoRA fine-tune also the adapter as a llama.cpp
-LoRA GGUF and as a PEFT directory. Everything lands in `out_dir` at once (temp dir + rename)."""
+donor's tokenizer, `general.*` keys by llama.cpp's conventions and our provenance; for a LoRA/QLoRA
+fine-tune also the adapter as a llama.cpp LoRA GGUF and as a PEFT directory. Everything lands in
+`out_dir` at once (temp dir + rename).
+
+`model.gguf` is the stable path the pipeline (and dvc.yaml) reads; the same file also carries its
+conventional name (`SmolLM2-135M-Instruct-lora-pydoc-Q8_0.gguf`, see pipeline.ship) as a hard link,
+and `README.md` is its model card.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.card import CardFacts, model_card
 from pipeline.errors import GGUFError, problem
 from pipeline.files import atomic_dir
-from pipeline.finetune.adapters import export_merged_gguf, save_adapter_gguf, save_peft_adapter
+from pipeline.finetune.adapters import plain_model, save_adapter_gguf, save_peft_adapter
 from pipeline.finetune.lora import lora_layers
 from pipeline.gguf.header import count_tensors
 from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir, read_train_state
+from pipeline.models.registry import export_gguf
+from pipeline.ship import ShipInfo, donor_identity, file_name, general_keys, general_metadata, link_or_copy
 
-MODEL_GGUF, ADAPTER_GGUF, PEFT_DIR = "model.gguf", "adapter.gguf", "peft"
+MODEL_GGUF, ADAPTER_GGUF, PEFT_DIR, CARD = "model.gguf", "adapter.gguf", "peft", "README.md"
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What to export as: the tensor type, the names (ShipInfo) and the PEFT adapter's dropout."""
+
+    dtype: str = "f32"
+    ship: ShipInfo = field(default_factory=ShipInfo)
+    lora_dropout: float = 0.0
 
 
 def run_export(
     train_dir: Path, donor: Path, out_dir: Path, dtype: str, provenance: dict[str, Any], lora_dropout: float = 0.0
 ) -> dict[str, float]:
-    """`model.gguf` (adapters merged, quantized layers dequantized) in `dtype`, plus `adapter.gguf`
-    and `peft/` when the model carries LoRA adapters; returns the stage metrics."""
+    """`run_ship_export` with default names (the tests' and older callers' signature)."""
+    return run_ship_export(train_dir, donor, out_dir, ExportPlan(dtype, ShipInfo(), lora_dropout), provenance)
+
+
+def run_ship_export(
+    train_dir: Path, donor: Path, out_dir: Path, plan: ExportPlan, provenance: dict[str, Any]
+) -> dict[str, float]:
+    """`model.gguf` (adapters merged, quantized layers dequantized) in `plan.dtype`, its conventional
+    name beside it, the model card, plus `adapter.gguf` and `peft/` when the model carries LoRA
+    adapters; returns the stage metrics. `provenance` keys override the generated `general.*` ones."""
     model = load_model_dir(train_dir)
-    tok_meta = donor_tokenizer_metadata(GGUFFile(donor))
+    g = GGUFFile(donor)
+    tok_meta = donor_tokenizer_metadata(g)
+    _check_vocab(tok_meta, model.cfg.vocab_size, donor)
+    plain = plain_model(model)
+    identity = donor_identity(g)
+    meta = general_metadata(identity, plan.ship, sum(p.numel() for p in plain.parameters()))
+    keys = {**general_keys(meta, model.cfg.arch), **provenance}
+    named = file_name(meta, plan.dtype)
+    adapters = bool(lora_layers(model))
+    with atomic_dir(out_dir) as tmp:
+        merged = export_gguf(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype)
+        link_or_copy(merged, tmp / named)
+        metrics = {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
+        if adapters:
+            adapter = save_adapter_gguf(model, tmp / ADAPTER_GGUF, provenance)
+            save_peft_adapter(model, tmp / PEFT_DIR, base_model=identity.model_id, dropout=plan.lora_dropout)
+            metrics["adapter_bytes"] = float(adapter.stat().st_size)
+            metrics["peft_bytes"] = float((tmp / PEFT_DIR / "adapter_model.safetensors").stat().st_size)
+        (tmp / CARD).write_text(model_card(meta, identity, plan.ship, _facts(train_dir, named, plan, adapters)))
+    return metrics
+
+
+def _facts(train_dir: Path, named: str, plan: ExportPlan, adapters: bool) -> CardFacts:
+    """The card's numbers: the train stage's record of the weights it kept."""
+    state = read_train_state(train_dir)
+    if state is None:
+        return CardFacts(named, plan.dtype, has_adapters=adapters)
+    metrics = {"val_loss": state.val_loss, "val_ppl": math.exp(state.val_loss)}
+    if state.initial_val_loss is not None:
+        metrics["initial_val_loss"] = state.initial_val_loss
+    return CardFacts(named, plan.dtype, metrics, state.steps, state.kept_step, adapters, state.mlflow_run_id or "")
+
+
+def _check_vocab(tok_meta: dict[str, Any], vocab_size: int, donor: Path) -> None:
     n_tokens = len(tok_meta["tokenizer.ggml.tokens"].value) if "tokenizer.ggml.tokens" in tok_meta else 0
-    if n_tokens != model.cfg.vocab_size:
+    if n_tokens != vocab_size:
         raise GGUFError(
             problem(
                 f"{donor} tokenizer.ggml.tokens",
-                f"{model.cfg.vocab_size} tokens (the trained model's vocab)",
+                f"{vocab_size} tokens (the trained model's vocab)",
                 str(n_tokens),
                 "export with the donor the model was packed with",
             )
         )
-    with atomic_dir(out_dir) as tmp:
-        merged = export_merged_gguf(model, tmp / MODEL_GGUF, tok_meta, provenance, dtype)
-        metrics = {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
-        if lora_layers(model):
-            adapter = save_adapter_gguf(model, tmp / ADAPTER_GGUF, provenance)
-            save_peft_adapter(model, tmp / PEFT_DIR, base_model=str(donor), dropout=lora_dropout)
-            metrics["adapter_bytes"] = float(adapter.stat().st_size)
-            metrics["peft_bytes"] = float((tmp / PEFT_DIR / "adapter_model.safetensors").stat().st_size)
-    return metrics

@@ -1,7 +1,9 @@
 """Files written whole or not at all, and the one way we fingerprint them.
 
 Every output goes to a temp sibling and is renamed into place, so a crash or a user error never
-leaves half a file or half a directory where a stage (or DVC) would take it for a result.
+leaves half a file or half a directory where a stage (or DVC) would take it for a result. A temp
+name carries its writer's pid; the next write of the same path removes the temps of writers that
+no longer run (a SIGKILL leaves them behind), and never those of a live one.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -20,6 +23,38 @@ def _temp_sibling(path: Path, kind: str, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}{suffix}")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether another process with this pid runs here (our own pid: a leftover of a dead one's)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or a number we cannot check: leave its file alone
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temp siblings of `path` (`.name.tmp-PID`, `.name.old-PID`, with any extension)
+    whose writer no longer runs; returns what was removed."""
+    path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|old)-(\d+)(?:\.[A-Za-z0-9]+)?$")
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for p in path.parent.iterdir():
+        m = pattern.match(p.name)
+        if m and not pid_alive(int(m.group(1))):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path]:
     """Yield a temp path to write; it replaces `path` only if the block succeeds.
@@ -28,6 +63,7 @@ def atomic_file(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = _temp_sibling(path, "tmp", suffix)
     try:
         yield tmp
@@ -41,8 +77,8 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty temp directory that replaces `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = _temp_sibling(path, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp

@@ -15,6 +15,7 @@ from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.finetune.adapters import Adapter, apply_adapter, read_adapter_gguf, read_peft_adapter
 from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_messages
 from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
+from pipeline.gguf.spans import Span, encode_spans, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import is_finetune_dir, load_model_dir, read_spec
 from pipeline.models.registry import load_gguf
@@ -77,6 +78,24 @@ def read_adapter(path: Path, model: nn.Module) -> Adapter:
 
 def chat_prompt(metadata: dict[str, Any], tok: GGUFTokenizer, prompt: str, system: str = "") -> str:
     """`prompt` (and an optional system prompt) rendered with the GGUF's chat template."""
+    return render_messages(tok, _template(metadata), _messages(prompt, system), add_generation_prompt=True)
+
+
+def prompt_spans(metadata: dict[str, Any], tok: GGUFTokenizer, cfg: GenerateConfig) -> list[Span]:
+    """The prompt as spans (`pipeline.gguf.spans`): the prompt and system text are untrusted (typed
+    special tokens stay text) unless `parse_special`; a chat template's own text is trusted."""
+    if not cfg.chat:
+        return [(cfg.prompt, cfg.parse_special)]
+    if cfg.parse_special:
+        return [(chat_prompt(metadata, tok, cfg.prompt, cfg.system), True)]
+    return render_spans(tok, _template(metadata), _messages(cfg.prompt, cfg.system), add_generation_prompt=True)
+
+
+def _messages(prompt: str, system: str) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def _template(metadata: dict[str, Any]) -> str:
     template = metadata.get("tokenizer.chat_template")
     if not template:
         raise ChatTemplateError(
@@ -87,13 +106,13 @@ def chat_prompt(metadata: dict[str, Any], tok: GGUFTokenizer, prompt: str, syste
                 "use chat=false, or a GGUF with a chat template (tokenizer_gguf=...)",
             )
         )
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return render_messages(tok, str(template), messages, add_generation_prompt=True)
+    return str(template)
 
 
-def encode_prompt(tok: GGUFTokenizer, text: str, context_length: int) -> list[int]:
-    """Prompt ids with BOS when the tokenizer asks for it (not twice if the text already has it)."""
-    ids = tok.encode(text)
+def encode_prompt(tok: GGUFTokenizer, prompt: str | list[Span], context_length: int) -> list[int]:
+    """Prompt ids with BOS when the tokenizer asks for it (not twice if the text already has it);
+    a `str` prompt is trusted (its special tokens matched), spans say which text is."""
+    ids = encode_spans(tok, [(prompt, True)] if isinstance(prompt, str) else prompt)
     if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
         ids = [tok.bos_id, *ids]
     if not ids:
@@ -124,8 +143,9 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     model, tok, metadata = load_for_generation(cfg.model_path, cfg.tokenizer_gguf, cfg.lora)
     model.to(device=pick_device(cfg.device), dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-    text = chat_prompt(metadata, tok, cfg.prompt, cfg.system) if cfg.chat else cfg.prompt
-    prompt_ids = encode_prompt(tok, text, model.cfg.context_length)
+    spans = prompt_spans(metadata, tok, cfg)
+    text = "".join(t for t, _ in spans)
+    prompt_ids = encode_prompt(tok, spans, model.cfg.context_length)
     stop_ids = tuple(cfg.stop_ids) if cfg.stop_ids is not None else default_stop_ids(tok, cfg.chat)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
     stops = [unescape(s) for s in cfg.stop]

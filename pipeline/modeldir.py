@@ -28,6 +28,7 @@ from pipeline.finetune.base import build_finetune
 from pipeline.finetune.lora import load_lora_state_dict, lora_state_dict
 from pipeline.models.base import DecoderLM, TransformerConfig
 from pipeline.models.registry import build_model
+from pipeline.records import field_problems
 
 CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
@@ -112,10 +113,13 @@ def read_train_state(model_dir: Path) -> TrainState | None:
     if not path.is_file():
         return None
     known = {f.name for f in fields(TrainState)}
-    try:
-        return TrainState(**{k: v for k, v in _read_json(path, "a train state").items() if k in known})
-    except TypeError as e:
-        raise ConfigError(problem(str(path), "a train state", f"unreadable ({e})", rerun(model_dir))) from None
+    record = _read_json(path, "a train state")
+    wrong = field_problems(record, TrainState)
+    if wrong:
+        raise ConfigError(
+            problem(str(path), "a train state as the train stage writes it", "; ".join(wrong), rerun(model_dir))
+        )
+    return TrainState(**{k: v for k, v in record.items() if k in known})
 
 
 def read_realize(model_dir: Path) -> dict[str, Any] | None:

@@ -6,18 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import DataConfig
-from pipeline.data.corpus import load_documents
-from pipeline.data.instruct import pack_instruct
+from pipeline.data.corpus import iter_documents
+from pipeline.data.instruct_pack import pack_instruct
 from pipeline.data.packed import PackMeta
 from pipeline.data.text import pack
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
 
 
-def run_pack(data: DataConfig, donor_path: Path, out_dir: Path) -> tuple[PackMeta, dict[str, float]]:
-    """Tokenize and write `out_dir` atomically; returns the meta and the stage metrics."""
+def run_pack(
+    data: DataConfig, donor_path: Path, out_dir: Path, progress: bool = False
+) -> tuple[PackMeta, dict[str, float]]:
+    """Tokenize and write `out_dir` atomically (running text streams, see `pipeline.data.text`); returns
+    the meta and the stage metrics. `progress`: a bar with documents/s and tokens/s."""
     g = GGUFFile(donor_path)
     tok = tokenizer_from_gguf(g)
     if data.source == "instruct":
         return pack_instruct(data, tok, g.metadata, out_dir)
-    return pack(load_documents(data), tok, data, out_dir)
+    return pack(iter_documents(data), tok, data, out_dir, progress)

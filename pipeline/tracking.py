@@ -1,7 +1,9 @@
 """The one module that touches MLflow, behind a small plain interface.
 
 Stages open one `Run` per execution; the training loop only sees a `log_metrics(dict, step)`
-callable. Metrics are buffered and sent in batches so per-step logging stays cheap. Parent runs
+callable. Metrics are buffered and sent in batches so per-step logging stays cheap. A reopened run
+(training resumed from a checkpoint after a kill) holds one value per step: the steps the killed
+process had already sent are not sent again. Parent runs
 (one per pipeline execution, one per sweep) are found or created under a machine-wide file lock,
 so parallel jobs never make two parents, and a fresh SQLite store is initialised by one process.
 """
@@ -78,10 +80,12 @@ class Run:
 
     FLUSH_AT = 500
 
-    def __init__(self, client, info: RunInfo):
+    def __init__(self, client, info: RunInfo, logged: dict[str, int] | None = None):
+        """`logged`: per metric key, the highest step the store already holds (a reopened run)."""
         self._client = client
         self.info = info
         self._buffer: list = []
+        self._logged = logged or {}
 
     @property
     def run_id(self) -> str:
@@ -105,7 +109,10 @@ class Run:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in metrics.items())
+        # MLflow cannot delete a value: a resumed run skips the steps its killed process already sent
+        # (a resume is bit-identical, so they are the same values), leaving one value per step
+        fresh = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
+        self._buffer.extend(Metric(k, float(v), ts, step) for k, v in fresh.items())
         if len(self._buffer) >= self.FLUSH_AT:
             self.flush()
 
@@ -117,6 +124,14 @@ class Run:
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def parent_id(self) -> str | None:
+        """The run that groups this one (the pipeline execution or the sweep), if any."""
+        return _retry(lambda: self._client.get_run(self.run_id)).data.tags.get("mlflow.parentRunId")
+
+    def log_artifact_to(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        """An artifact on another run of this store (a stage's report on its pipeline's parent run)."""
+        self._client.log_artifact(run_id, str(path), artifact_path)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as an image artifact (shown in the run's Artifacts tab)."""
@@ -164,7 +179,12 @@ class Tracker:
     def resume(self, run_id: str) -> Run:
         """Reopen an existing run (e.g. to keep logging after a restart)."""
         _retry(lambda: self._client.update_run(run_id, status="RUNNING"))
-        return Run(self._client, RunInfo(run_id, self.experiment_id, self.tracking_uri))
+        return Run(self._client, RunInfo(run_id, self.experiment_id, self.tracking_uri), self.logged_steps(run_id))
+
+    def logged_steps(self, run_id: str) -> dict[str, int]:
+        """Per metric key of `run_id`, the highest step the store holds (read once, on reopening)."""
+        keys = _retry(lambda: self._client.get_run(run_id)).data.metrics
+        return {k: max(m.step for m in _retry(lambda k=k: self._client.get_metric_history(run_id, k))) for k in keys}
 
     def parent(self, key_tag: str, key: str, name: str, tags: dict[str, Any], params: dict | None = None) -> Run:
         """The parent run whose tag `key_tag` is `key`: found, or created by the first caller.
@@ -182,3 +202,51 @@ class Tracker:
             if params:
                 run.log_params(params)
             return run
+
+
+@dataclass
+class RunRecord:
+    """A run read back from the store as plain data (times in ms since the epoch)."""
+
+    run_id: str
+    name: str
+    status: str
+    start_ms: int
+    end_ms: int | None
+    tags: dict[str, str]
+    params: dict[str, str]
+    metrics: dict[str, float]
+
+
+def stage_runs(tracking_uri: str, experiment: str, stage: str, max_results: int = 50) -> list[RunRecord]:
+    """The newest finished runs of `stage` (tag `stage`) in `experiment`, newest first; [] when the
+    store or the experiment does not exist (a local SQLite file is never created just to be read)."""
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = _retry(lambda: client.get_experiment_by_name(experiment))
+    if exp is None:
+        return []
+    found = _retry(
+        lambda: client.search_runs(
+            [exp.experiment_id],
+            filter_string=f"tags.stage = '{stage}' and attributes.status = 'FINISHED'",
+            max_results=max_results,
+            order_by=["attributes.start_time DESC"],
+        )
+    )
+    return [
+        RunRecord(
+            r.info.run_id,
+            r.info.run_name or r.info.run_id,
+            r.info.status,
+            r.info.start_time,
+            r.info.end_time,
+            dict(r.data.tags),
+            dict(r.data.params),
+            dict(r.data.metrics),
+        )
+        for r in found
+    ]

@@ -91,6 +91,10 @@ class Paths:
     def evaluate(self) -> Path:
         return self.root / "models" / "evaluate"
 
+    @property
+    def report(self) -> Path:
+        return self.root / "reports"
+
     def stage_out(self, stage: str) -> Path:
         return {"pack": self.packed, "realize": self.init}.get(stage) or getattr(self, stage)
 

@@ -8,8 +8,9 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.export import run_export
+from pipeline.export import CARD, ExportPlan, run_ship_export
 from pipeline.modeldir import read_train_state, weight_files
+from pipeline.ship import ShipInfo, data_label
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, entry, run_stage
 
 log = logging.getLogger(__name__)
@@ -22,8 +23,6 @@ def body(ctx: StageContext) -> dict[str, float]:
         ctx.add_input("weights" if path.name == "model.safetensors" else f"weights_{path.stem}", path)
     state = read_train_state(train_dir)
     provenance = {
-        "general.name": cfg.export.name,
-        "general.description": f"recipe={cfg.recipe.name} init={cfg.recipe.init}, trained by smollm-pipeline",
         "pipeline.recipe": cfg.recipe.name,
         "pipeline.config_hash": config_hash(ctx.resolved),
         "pipeline.mlflow_run_id": (state.mlflow_run_id if state else None) or "",
@@ -31,9 +30,20 @@ def body(ctx: StageContext) -> dict[str, float]:
     }
     if state is not None and state.kept_step is not None:
         provenance["pipeline.kept_step"] = state.kept_step
-    metrics = run_export(train_dir, ctx.donor, ctx.out_dir, cfg.export.dtype, provenance, cfg.recipe.lora.dropout)
+    ship = ShipInfo(
+        recipe=cfg.recipe.name,
+        data=data_label(cfg.data.source, cfg.data.path),
+        finetune=cfg.recipe.finetune,
+        name=cfg.export.name,
+        version=cfg.export.version,
+        description=f"recipe={cfg.recipe.name} init={cfg.recipe.init}, trained by smollm-pipeline",
+        tags=("smollm-pipeline",),
+    )
+    plan = ExportPlan(cfg.export.dtype, ship, cfg.recipe.lora.dropout)
+    metrics = run_ship_export(train_dir, ctx.donor, ctx.out_dir, plan, provenance)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
     log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")
+    ctx.artifact(ctx.out_dir / CARD)
     if state is not None and state.kept_step is not None:
         log.info(f"export: the weights of step {state.kept_step} of {state.steps} (val loss {state.val_loss:.4f})")
         metrics["kept_step"] = float(state.kept_step)

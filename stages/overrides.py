@@ -48,6 +48,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),
+    "report": ("report", "recipe.name"),
 }
 EVERY_STAGE = ("tracking", "output")  # how a stage reports, never what it computes
 

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 def body(ctx: StageContext) -> dict[str, float]:
     ctx.add_input("donor", ctx.donor)
-    meta, metrics = run_pack(ctx.cfg.data, ctx.donor, ctx.out_dir)
+    meta, metrics = run_pack(ctx.cfg.data, ctx.donor, ctx.out_dir, progress=ctx.cfg.output == "text")
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
+from pipeline.data.packed import load_meta
 from pipeline.files import write_text
 from pipeline.lineage import check_init, check_packed, check_teach
 from pipeline.modeldir import weight_files
@@ -44,7 +45,8 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         ctx.add_input("teach_meta", ctx.paths.teach / "meta.json")
     if plan.resume is not None and is_main_process():
         log.info(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
-    hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text")
+    bits = load_meta(ctx.paths.packed).bits_per_token("val")
+    hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text", bits_per_token=bits)
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
     donor = ctx.donor if cfg.train.distill.enabled and cfg.train.distill.mode == "online" else None
@@ -72,19 +74,32 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
             f"train: kept the weights of step {result.kept_step} (val loss {result.kept_val_loss:.4f}, the lowest; "
             "train.keep_best=false keeps the last)"
         )
-    return metrics(result)
+    return metrics(result, bits)
+
+
+# plots/train/<file>.tsv: its columns, taken from the history rows that have the first one after `step`
+PLOT_COLUMNS = {
+    "train_loss": ("train_loss",),
+    "val_loss": ("val_loss", "val_ppl", "val_bpb"),
+    "optim": ("lr", "grad_norm", "tokens_per_second"),
+    "epochs": ("epoch_train_ppl", "epoch_val_ppl"),  # fine-tunes (epochs over rows); a header alone otherwise
+}
 
 
 def write_plots(ctx: StageContext, result: TrainResult) -> None:
-    """The DVC plots (and MLflow artifacts): train and val loss per step."""
-    train_rows = ["step\ttrain_loss"] + [f"{int(h['step'])}\t{h['train_loss']:.6f}" for h in result.history]
-    val_rows = ["step\tval_loss"] + [
-        f"{int(h['step'])}\t{h['val_loss']:.6f}" for h in result.history if "val_loss" in h
-    ]
-    for name, rows in (("train_loss", train_rows), ("val_loss", val_rows)):
-        ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", "\n".join(rows) + "\n"))
+    """The DVC plots (and MLflow artifacts): train and val loss, lr and grad norm per step, perplexity per epoch."""
+    for name, columns in PLOT_COLUMNS.items():
+        ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", plot_table(result.history, columns)))
     if ctx.run is not None:
         ctx.run.log_figure(loss_figure(result.history), "loss.png")
+
+
+def plot_table(history: list[dict[str, float]], columns: tuple[str, ...]) -> str:
+    """A TSV of `step` and `columns` over the history rows that have `columns[0]` (an absent value: empty)."""
+    lines = ["\t".join(("step", *columns))]
+    for h in (h for h in history if columns[0] in h):
+        lines.append("\t".join([str(int(h["step"]))] + [f"{h[c]:.8g}" if c in h else "" for c in columns]))
+    return "\n".join(lines) + "\n"
 
 
 def loss_figure(history: list[dict[str, float]]) -> Figure:
@@ -101,7 +116,8 @@ def loss_figure(history: list[dict[str, float]]) -> Figure:
     return fig
 
 
-def metrics(result: TrainResult) -> dict[str, float]:
+def metrics(result: TrainResult, bits_per_token: float | None = None) -> dict[str, float]:
+    """The run's single values; with a byte count from pack, the val losses in bits per byte too."""
     extra = {}
     if result.initial_val_loss is not None:  # instruct rows: the held-out response loss before training
         extra = {"initial_val_loss": result.initial_val_loss, "initial_val_ppl": math.exp(result.initial_val_loss)}
@@ -116,6 +132,7 @@ def metrics(result: TrainResult) -> dict[str, float]:
         "final_val_ppl": result.final_val_ppl,
         "kept_step": float(result.kept_step),
         "kept_val_loss": result.kept_val_loss,
+        **bpb(result, bits_per_token),
         "stopped_early": float(result.stopped_early),
         "steps": float(result.steps),
         "tokens_seen": float(result.tokens_seen),
@@ -124,6 +141,13 @@ def metrics(result: TrainResult) -> dict[str, float]:
         "resumed_from": float(result.resumed_from),
         "skipped_steps": float(result.skipped_steps),
     }
+
+
+def bpb(result: TrainResult, bits_per_token: float | None) -> dict[str, float]:
+    if bits_per_token is None:
+        return {}
+    bits = bits_per_token
+    return {"final_val_bpb": result.final_val_loss * bits, "kept_val_bpb": result.kept_val_loss * bits}
 
 
 def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:

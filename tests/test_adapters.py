@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,32 @@ def test_peft_loads_our_adapter_with_equal_logprobs(setup: Setup, hf_base) -> No
         model.unload()
 
 
+def test_exported_peft_adapter_loads_on_another_machine(setup: Setup, hf_base, tmp_path: Path) -> None:
+    """The export names its base hub-style (from the donor's general.* keys and file name), never by a
+    local path: the adapter dir copied elsewhere (the original deleted) loads in peft and in our loader."""
+    import peft
+
+    from pipeline.generate import load_for_generation
+    from pipeline.ship import donor_identity
+
+    base_name = donor_identity(GGUFFile(setup.base_path)).model_id
+    made = save_peft_adapter(setup.model, setup.dir / "peft-shipped", base_model=base_name)
+    moved = tmp_path / "elsewhere" / "adapter"
+    shutil.copytree(made, moved)
+    shutil.rmtree(made)
+    name = peft.PeftConfig.from_pretrained(str(moved)).base_model_name_or_path
+    assert name == base_name and not Path(name).is_absolute() and str(setup.dir) not in name
+    want = logprobs(setup.model, setup.x)
+    model = peft.PeftModel.from_pretrained(hf_base, str(moved)).eval()
+    try:
+        with torch.no_grad():
+            assert (torch.log_softmax(model(setup.x).logits.double(), -1) - want).abs().max().item() < 1e-3
+    finally:
+        model.unload()
+    ours, _, _ = load_for_generation(str(setup.base_path), lora=str(moved))
+    assert (logprobs(ours.eval(), setup.x) - want).abs().max().item() < 1e-4
+
+
 def test_peft_saved_adapter_reads_back_into_ours(setup: Setup, hf_base, tmp_path: Path) -> None:
     import peft
 
@@ -223,3 +250,60 @@ def test_not_an_adapter_file_is_named(setup: Setup, tmp_path: Path) -> None:
         read_adapter_gguf(setup.plain_path)
     with pytest.raises(AdapterError, match="adapter_config.json: expected a PEFT adapter file"):
         read_peft_adapter(tmp_path, CFG)
+
+
+def spoil(peft_dir: Path, how: str) -> str:
+    """Spoil a saved PEFT adapter one way; returns the part of the error line that names it."""
+    weights, config = peft_dir / "adapter_model.safetensors", peft_dir / "adapter_config.json"
+    if how == "garbage":
+        weights.write_bytes(os.urandom(256))
+        return "adapter_model.safetensors: expected LoRA weights in safetensors format, found not a readable"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        return "adapter_model.safetensors: expected LoRA weights in safetensors format"
+    if how == "config-list":
+        config.write_text("[1, 2]")
+        return "adapter_config.json: expected a JSON object, found list"
+    if how == "config-bytes":
+        config.write_bytes(b'{"peft_type": "LORA", "r": 4, "x": "\xff\xfe"}')
+        return "adapter_config.json: expected a JSON object, found unreadable"
+    if how == "alpha":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": "8"}))
+        return "adapter_config.json lora_alpha: expected a number >= 0, found '8'"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    name = next(n for n in sorted(tensors) if "layers.0.self_attn.q_proj.lora_A" in n)
+    tensors[name] = torch.zeros(RANK, CFG.d_model + 8)  # wrong-shaped for this base (other in_features)
+    save_file(tensors, str(weights))
+    return f"tensor {name}: expected shape ({RANK}, {CFG.d_model})"
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "config-list", "config-bytes", "alpha", "shape"])
+def test_a_corrupt_or_foreign_peft_adapter_is_one_named_line(setup: Setup, tmp_path: Path, how: str) -> None:
+    from pipeline.generate import load_for_generation
+
+    peft_dir = save_peft_adapter(setup.model, tmp_path / "peft", base_model=str(setup.base_path))
+    named = spoil(peft_dir, how)
+    with pytest.raises(AdapterError) as info:
+        load_for_generation(str(setup.base_path), lora=str(peft_dir))
+    assert named in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert "fix: " in str(info.value)
+
+
+@pytest.mark.slow
+def test_generate_with_a_garbage_peft_adapter_exits_2_with_one_line(setup: Setup, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    peft_dir = save_peft_adapter(setup.model, tmp_path / "peft", base_model=str(setup.base_path))
+    named = spoil(peft_dir, "garbage")
+    cmd = [sys.executable, "-m", "stages.generate", f"model_path={setup.base_path}", "prompt=hi", f"lora={peft_dir}"]
+    cmd += [f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert named in line

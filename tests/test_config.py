@@ -19,7 +19,8 @@ from tests.conftest import ROOT
 def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
-    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
+    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone-distill" and cfg.model.d_model == 384
+    assert cfg.train.distill.weight == 0.5
 
 
 def test_params_yaml_equals_fresh_composition() -> None:
@@ -98,3 +99,21 @@ def test_hydras_own_refusals_are_one_named_line_and_exit_2(override: str, start:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), proc.stderr
     assert "fix:" in lines[0]
+
+
+def test_multiruns_started_in_the_same_second_get_sweep_dirs_of_their_own() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stages.compose import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        first, second = (compose(config_name="config", return_hydra_config=True) for _ in range(2))
+    a, b = first.hydra.sweep.dir, second.hydra.sweep.dir
+    assert a.startswith("multirun/") and a.rsplit("-", 1)[0].count("/") == 2
+    assert a.rsplit("-", 1)[1] != b.rsplit("-", 1)[1]  # another token, whatever the clock says
+    # one multirun's jobs all see its directory: Hydra copies the resolver cache into each job's config
+    job = OmegaConf.create(OmegaConf.to_container(first, resolve=False))
+    OmegaConf.copy_cache(from_config=first, to_config=job)
+    assert first.hydra.sweep.dir == a and job.hydra.sweep.dir == a

@@ -22,7 +22,7 @@ import yaml
 from tests.scratch import make_project, mlflow_runs, ran, run, sh
 
 pytestmark = pytest.mark.slow
-STAGES = ("pack", "donor", "teach", "realize", "train", "export", "evaluate")
+STAGES = ("pack", "donor", "teach", "realize", "train", "export", "evaluate", "report")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,10 @@ def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
     assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3
     samples = json.loads((project / "models" / "evaluate" / "samples.json").read_text())
     assert len(samples) == 3 and all({"prompt", "greedy", "sampled"} <= set(s) for s in samples)
+    assert train["kept_val_bpb"] == pytest.approx(evaluate["val_bpb"], abs=1e-3)  # bits per byte in both
+    report = (project / "reports" / "report.md").read_text()
+    assert f"| val_bpb | {evaluate['val_bpb']:.4f} |" in report and "(this run)" in report
+    assert (project / "reports" / "report.html").read_text().count('src="data:image/png;base64,') >= 4
 
 
 def test_second_repro_does_nothing(project: Path, first_repro: str) -> None:
@@ -79,7 +83,7 @@ def test_metrics_and_plots_show(project: Path, first_repro: str) -> None:
 
 def test_exp_run_set_param_reruns_only_downstream_of_lr(project: Path, first_repro: str) -> None:
     out = sh(project, "dvc", "exp", "run", "-S", "optim.lr=0.002")
-    assert ran(out) == ["inputs", "train", "export", "evaluate"]
+    assert ran(out) == ["inputs", "train", "export", "evaluate", "report"]
     _, runs = mlflow_runs(project)
     latest_train = max(
         (r for r in runs if r.data.tags.get("stage") == "train" and "parent" not in r.data.tags),
@@ -224,7 +228,7 @@ def test_queued_experiments_log_to_the_project_store_and_compare(project: Path, 
         parent = [r for r in runs if r.info.run_name == exp_name and r.data.tags.get("parent") == "true"]
         assert len(parent) == 1 and parent[0].data.tags["dvc_exp_name"] == exp_name
         children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
-        assert children == {f"{exp_name}/{s}" for s in ("train", "export", "evaluate")}
+        assert children == {f"{exp_name}/{s}" for s in ("train", "export", "evaluate", "report")}
 
 
 def test_editing_the_corpus_in_place_reruns_pack(project: Path, first_repro: str) -> None:
@@ -263,7 +267,10 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
     assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
     export = project / "models" / "export"
-    assert {p.name for p in export.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
+    named = "SmolLM2-135M-Instruct-lora-pydoc-F32.gguf"  # the conventional name beside the stable one
+    assert {p.name for p in export.iterdir()} == {"model.gguf", named, "README.md", "adapter.gguf", "peft"}
+    if "llamacpp_mean_kl" in evaluate:  # llama-cpp-python installed: evaluate ran the file in llama.cpp
+        assert evaluate["llamacpp_mean_kl"] < 0.03 and evaluate["llamacpp_top1_agreement"] > 0.9
     from pipeline.finetune.adapters import read_adapter_gguf
 
     adapter = read_adapter_gguf(export / "adapter.gguf")

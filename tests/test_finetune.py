@@ -278,13 +278,16 @@ def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base
 def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: Base) -> None:
     out = lora_run.dir / "export"
     metrics = run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {"general.name": "tuned"})
-    assert {p.name for p in out.iterdir()} == {"model.gguf", "adapter.gguf", "peft"}
+    named = {p.name for p in out.iterdir()} - {"model.gguf", "adapter.gguf", "peft", "README.md"}
+    assert len(named) == 1 and named.pop().endswith("-F32.gguf")  # the conventional name, a link to model.gguf
     assert metrics["adapter_bytes"] < metrics["file_bytes"] / 10
     trained = load_model_dir(lora_run.dir / "train")
     adapter = read_adapter_gguf(out / "adapter.gguf")
     assert adapter.rank == 4 and adapter.alpha == 8.0 and adapter.targets == ("q", "v")
     for name, t in adapter.state.items():
         assert torch.equal(t, dict(trained.named_parameters())[name].detach())
+    base_name = json.loads((out / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_name == "base" and str(lora_run.base_path.parent) not in base_name  # portable: no local path
     peft = read_peft_adapter(out / "peft", trained.cfg)
     assert all(torch.equal(t, adapter.state[n]) for n, t in peft.state.items())
     cfg = PipelineConfig(

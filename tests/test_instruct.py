@@ -92,6 +92,12 @@ def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
             '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
             r"line 2: expected the last message from role 'assistant', found 'user'",
         ),
+        ('{"prompt": "q", "response": ""}', r'line 2 "response": expected a non-empty response, found an empty str'),
+        ('{"prompt": "q", "response": " \\n\\t"}', r"line 2 \"response\": .*found only whitespace \(' \\n\\t'\)"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]}',
+            r"line 2 the last message's content: expected a non-empty response.*fix: write the answer",
+        ),
     ],
 )
 def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, pattern: str) -> None:
@@ -99,6 +105,18 @@ def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, patt
     with pytest.raises(DataError, match=pattern) as info:
         read_instruct_jsonl(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_an_empty_response_in_the_users_file_is_named_before_anything_is_written(tmp_path: Path) -> None:
+    from pipeline.data.instruct_pack import write_instruct_splits
+
+    good = json.dumps({"prompt": "ok", "response": "fine"})
+    path = write_lines(tmp_path / "my.jsonl", [good, good, "", json.dumps({"prompt": "q", "response": "\n"})])
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(DataError, match=rf"{path} line 4 \"response\": expected a non-empty response"):
+        write_instruct_splits(DataConfig(source="instruct", path=str(path)), out)
+    assert not list(out.iterdir())
 
 
 # ----- formatting -----

@@ -49,6 +49,32 @@ def test_parallel_processes_on_a_fresh_store_share_one_parent(tmp_path: Path) ->
         assert [m.step for m in history] == list(range(1, 21))
 
 
+def test_a_reopened_run_keeps_one_value_per_step(tmp_path: Path) -> None:
+    """What a resume after a kill does: the killed process had sent steps 1-5, its last checkpoint
+    was step 3, so the resumed one logs steps 4-8 again; the store keeps one value per step."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    tracker = Tracker(uri, "resume", tmp_path / "artifacts")
+    run = tracker.start("train", {})
+    for step in range(1, 6):
+        run.log_metrics({"loss/train": 1.0 / step, "lr": 0.1}, step)
+    run.log_metrics({"loss/val": 0.5}, 2)
+    run.flush()  # then SIGKILL: the run stays RUNNING
+    again = tracker.resume(run.run_id)
+    for step in range(4, 9):
+        again.log_metrics({"loss/train": 1.0 / step, "lr": 0.1}, step)
+        if step % 2 == 0:
+            again.log_metrics({"loss/val": 0.25}, step)
+    again.end()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    assert [m.step for m in client.get_metric_history(run.run_id, "loss/train")] == list(range(1, 9))
+    assert [m.step for m in client.get_metric_history(run.run_id, "lr")] == list(range(1, 9))
+    val = client.get_metric_history(run.run_id, "loss/val")
+    assert [(m.step, m.value) for m in val] == [(2, 0.5), (4, 0.25), (6, 0.25), (8, 0.25)]
+    assert client.get_run(run.run_id).info.status == "FINISHED"
+
+
 def test_the_store_of_a_queued_experiment_is_the_projects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project, temp_copy = tmp_path / "project", tmp_path / "project" / ".dvc" / "tmp" / "exps" / "tmpabc"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -17,6 +17,7 @@ from pipeline.training.batches import BatchSampler
 from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
 from pipeline.training.validation import evaluate_loss
+from stages.train import PLOT_COLUMNS, metrics, plot_table
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
 
@@ -213,3 +214,21 @@ def test_a_run_that_passes_over_a_small_split_many_times_warns_once(caplog) -> N
         warn_overfitting(np.zeros(500_000, dtype=np.uint16), TrainConfig())  # 0.8 epochs: silent
         warn_overfitting(tokens, TrainConfig(max_epochs=0))  # switched off
     assert not caplog.records
+
+
+def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
+    """With pack's byte count, every evaluation logs val_bpb beside val_loss, and the train stage's
+    metrics and plot table carry it (the unit that compares models with different tokenizers)."""
+    ids = np.random.default_rng(0).integers(0, 49152, 3000).astype(np.int64)
+    tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=1, log_every=1, precision="fp32")
+    logged = []
+    hooks = Hooks(log=lambda m, s: logged.append(m), bits_per_token=0.25)
+    result, _ = train(realize(TINY, "scratch", 49152, 0), ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks)
+    val = [m for m in logged if "val_loss" in m]
+    assert len(val) == 2 and all(m["val_bpb"] == pytest.approx(m["val_loss"] * 0.25) for m in val)
+    out = metrics(result, 0.25)
+    assert out["kept_val_bpb"] == pytest.approx(out["kept_val_loss"] * 0.25) and "final_val_bpb" in out
+    assert "final_val_bpb" not in metrics(result, None)  # instruct rows: pack counts no bytes
+    table = plot_table(result.history, PLOT_COLUMNS["val_loss"]).splitlines()
+    assert table[0] == "step\tval_loss\tval_ppl\tval_bpb" and len(table) == 3
+    assert float(table[2].split("\t")[3]) == pytest.approx(result.final_val_loss * 0.25, rel=1e-6)

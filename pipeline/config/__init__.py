@@ -6,9 +6,16 @@ objects as they are. The schemas import only the error shape and the pure-data t
 so every layer may import them.
 """
 
-from pipeline.config.composed import EXPORT_TYPES, EvaluateConfig, ExportConfig, PipelineConfig, TrackingConfig
+from pipeline.config.composed import (
+    EXPORT_TYPES,
+    EvaluateConfig,
+    ExportConfig,
+    PipelineConfig,
+    ReportConfig,
+    TrackingConfig,
+)
 from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
-from pipeline.config.generate import GenerateConfig
+from pipeline.config.generate import ChatConfig, GenerateConfig
 from pipeline.config.model import (
     FINETUNE_MODES,
     INITS,
@@ -48,12 +55,14 @@ __all__ = [
     "DonorConfig",
     "EvaluateConfig",
     "ExportConfig",
+    "ChatConfig",
     "GenerateConfig",
     "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "PipelineConfig",
     "RecipeConfig",
+    "ReportConfig",
     "SubcloneConfig",
     "TrackingConfig",
     "TrainConfig",

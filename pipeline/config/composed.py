@@ -8,8 +8,10 @@ from pipeline.config.checks import at_least, check, choice, positive
 from pipeline.config.data import DataConfig, DonorConfig
 from pipeline.config.model import ModelConfig, RecipeConfig
 from pipeline.config.train import OptimConfig, TrainConfig
+from pipeline.gguf.quantize import K_QUANTS, require_llamacpp
 
-EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # = pipeline.gguf.writer.TENSOR_TYPES (a test checks)
+# = pipeline.gguf.writer.TENSOR_TYPES (gguf-py writes them) + K_QUANTS (llama.cpp's quantizer does; a test checks)
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
 
 
 @dataclass
@@ -17,10 +19,13 @@ class ExportConfig:
     """The exported GGUF's tensor type and name."""
 
     dtype: str = "f32"
-    name: str = "smollm-pipeline"
+    name: str = ""  # the file's basename (general.basename); "" = the donor's (SmolLM2)
+    version: str = ""  # general.version and the file name's version part, e.g. v1.0; "" = none
 
     def __post_init__(self) -> None:
         choice(self.dtype, "export.dtype", EXPORT_TYPES)
+        if self.dtype in K_QUANTS:
+            require_llamacpp(self.dtype)
 
 
 @dataclass
@@ -34,12 +39,26 @@ class EvaluateConfig:
     top_k: int = 40
     seed: int = 0
     baseline_val_loss: float = 0.0
+    llamacpp_windows: int = 4  # val windows llama.cpp runs for the parity check (0: off)
+    llamacpp_max_kl: float = 0.03  # mean KL(ours || llama.cpp) per token above which evaluate fails
 
     def __post_init__(self) -> None:
         positive(self.max_new_tokens, "evaluate.max_new_tokens")
+        at_least(self.llamacpp_windows, "evaluate.llamacpp_windows", 0, "use 0 to turn the llama.cpp check off")
+        positive(self.llamacpp_max_kl, "evaluate.llamacpp_max_kl")
         at_least(self.baseline_val_loss, "evaluate.baseline_val_loss", 0, "use 0 for none")
         positive(self.temperature, "evaluate.temperature")
         at_least(self.top_k, "evaluate.top_k", 0, "use 0 for no top-k")
+
+
+@dataclass
+class ReportConfig:
+    """The report stage: how many of the newest evaluate runs in the MLflow experiment it compares this run with."""
+
+    compare_runs: int = 10
+
+    def __post_init__(self) -> None:
+        at_least(self.compare_runs, "report.compare_runs", 0, "use 0 for no comparison")
 
 
 @dataclass
@@ -63,6 +82,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     output: str = "text"  # text | quiet | json (one JSON object with the stage's metrics on stdout)
 

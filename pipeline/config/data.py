@@ -6,22 +6,23 @@ from dataclasses import dataclass
 
 from pipeline.config.checks import check, choice, integer, positive
 
-SOURCES = ("pydoc", "text", "dir", "jsonl", "instruct")
+SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct")
 TEMPLATES = ("auto", "chat", "plain")
 
 
 @dataclass
 class DataConfig:
-    """Which corpus to pack and how: running text (pydoc, text, dir, jsonl) or instruction examples.
+    """Which corpus to pack and how: running text (pydoc, text, dir, jsonl, parquet) or instruction examples.
 
-    `instruct`: `path` is a JSONL file of {"prompt", "response"} or {"messages": [...]} lines, or
-    empty for the built-in pydoc Q/A set; the instruct keys say how examples become rows.
+    `instruct`: `path` is a JSONL file of {"prompt", "response"|"completion"}, Alpaca, ShareGPT or
+    {"messages": [...]} lines, or empty for the built-in pydoc Q/A set; the instruct keys say how
+    examples become rows.
     """
 
-    source: str = "pydoc"  # pydoc | text | dir | jsonl | instruct
-    path: str = ""  # file (text/jsonl/instruct) or directory (dir); instruct: empty = the pydoc Q/A set
+    source: str = "pydoc"  # pydoc | text | dir | jsonl | parquet | instruct
+    path: str = ""  # file (text/jsonl/parquet/instruct; text and jsonl may be .gz/.zst) or directory (dir)
     glob: str = "**/*.txt"  # files to take from a directory
-    text_field: str = "text"  # JSONL field holding the document
+    text_field: str = "text"  # JSONL field / parquet column holding the document
     val_fraction: float = 0.1
     split_seed: int = 0
     add_bos: str = "auto"  # auto (the GGUF's add_bos_token flag) | true | false
@@ -31,8 +32,10 @@ class DataConfig:
     template: str = "auto"  # auto (the base GGUF's chat template if it has one) | chat | plain
     plain_prompt: str = "Question: {prompt}\nAnswer: "
     plain_response: str = "{response}"
+    parse_special: bool = False  # true: special-token strings typed in examples become control tokens (trusted data)
     min_prompt_tokens: int = 1  # truncation cuts the prompt's start down to this, then the response's end
     pack: bool = True  # several examples per row, attention kept inside each
+    all_turns: bool = False  # learn every assistant turn of a conversation, not only the last
     max_chars: int = 600  # pydoc Q/A set: answer length cap (whole paragraphs)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ class GenerateConfig:
     lora: str = ""  # a LoRA adapter on top (llama.cpp adapter GGUF or PEFT dir), as llama-cli --lora
     chat: bool = False  # render the prompt with the GGUF's tokenizer.chat_template
     system: str = ""  # optional system message for chat
+    parse_special: bool = False  # true: special-token strings typed in prompt/system become control tokens
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 40
@@ -50,6 +51,39 @@ class GenerateConfig:
         positive(self.repetition_penalty, "repetition_penalty")
         at_least(self.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
         check(all(self.stop), "stop", "non-empty stop strings", self.stop, "remove the empty string")
+        choice(self.precision, "precision", PRECISIONS)
+        choice(self.device, "device", DEVICES)
+        at_least(self.threads, "threads", 0, "use 0 for torch's default")
+
+
+@dataclass
+class ChatConfig:
+    """`python -m stages.chat` (conf/chat.yaml): a multi-turn REPL over a model's chat template, with
+    the sampling of generate (defaults: SmolLM2's suggested temperature 0.2, top-p 0.9)."""
+
+    model_path: str = ""  # a GGUF, a model dir, or `smollm2`
+    tokenizer_gguf: str = "smollm2"  # the tokenizer (and chat template) of a model dir
+    lora: str = ""  # a LoRA adapter on top (llama.cpp adapter GGUF or PEFT dir)
+    system: str = ""  # a system message opening every conversation
+    max_new_tokens: int = 256  # per answer
+    temperature: float = 0.2
+    top_k: int = 40
+    top_p: float = 0.9
+    repetition_penalty: float = 1.0
+    repetition_last_n: int = 64
+    seed: int = 0
+    precision: str = "fp32"
+    device: str = "auto"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
+        positive(self.max_new_tokens, "max_new_tokens")
+        at_least(self.temperature, "temperature", 0, "use 0 for greedy")
+        at_least(self.top_k, "top_k", 0, "use 0 to disable top-k")
+        check(0 < self.top_p <= 1, "top_p", "a value in (0, 1]", self.top_p, "use 1 to disable top-p")
+        positive(self.repetition_penalty, "repetition_penalty")
+        at_least(self.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
         choice(self.precision, "precision", PRECISIONS)
         choice(self.device, "device", DEVICES)
         at_least(self.threads, "threads", 0, "use 0 for torch's default")

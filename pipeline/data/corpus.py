@@ -1,7 +1,8 @@
-"""Corpus sources: the built-in Python language reference, text files, directories, JSONL.
+"""Corpus sources: the built-in Python language reference, text files, directories, JSONL (plain,
+gzip, zstd) and parquet.
 
-Each source yields named documents in a deterministic order, so packing is reproducible and the
-train/val split is by document.
+Each source yields named documents lazily in a deterministic order, so packing is reproducible, the
+train/val split is by document, and a corpus of any size is read one document at a time.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import DataConfig
+from pipeline.data.readers import iter_lines, iter_parquet, read_text
 from pipeline.errors import DataError, problem
 
 
@@ -22,30 +25,52 @@ class Document:
     text: str
 
 
-def load_documents(cfg: DataConfig) -> list[Document]:
-    """The documents of the configured source, in a stable order, empty ones dropped."""
-    loaders = {"pydoc": _pydoc, "text": _text_file, "dir": _directory, "jsonl": _jsonl}
-    docs = [d for d in loaders[cfg.source](cfg) if d.text.strip()]
-    if len(docs) < 2:
-        raise DataError(
-            problem(
-                f"data.source={cfg.source} {cfg.path}".strip(),
-                "at least 2 non-empty documents (one for train, one for val)",
-                f"{len(docs)}",
-                "point data.path at a larger corpus",
-            )
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+    """The non-empty documents of the configured source, in a stable order, read lazily."""
+    loaders = {"pydoc": _pydoc, "text": _text_file, "dir": _directory, "jsonl": _jsonl, "parquet": _parquet}
+    return (d for d in loaders[cfg.source](cfg) if d.text.strip())
+
+
+def too_few_documents(cfg: DataConfig, found: int) -> DataError:
+    """The error for a corpus with fewer than 2 documents (pack needs one for each split)."""
+    return DataError(
+        problem(
+            f"data.source={cfg.source} {cfg.path}".strip(),
+            "at least 2 non-empty documents (one for train, one for val)",
+            f"{found}",
+            "point data.path at a larger corpus",
         )
+    )
+
+
+def load_documents(cfg: DataConfig) -> list[Document]:
+    """All documents of the configured source in memory: for small corpora and tests; pack streams."""
+    docs = list(iter_documents(cfg))
+    if len(docs) < 2:
+        raise too_few_documents(cfg, len(docs))
     return docs
 
 
-def corpus_sha256(docs: list[Document]) -> str:
+class CorpusHash:
+    """The corpus fingerprint (names and texts), updated one document at a time."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def update(self, name: str, text: bytes) -> None:
+        for b in (name.encode("utf-8"), text):
+            self._h.update(len(b).to_bytes(8, "little"))
+            self._h.update(b)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def corpus_sha256(docs: Iterable[Document]) -> str:
     """A fingerprint of the corpus content (names and texts), for provenance and DVC metadata."""
-    h = hashlib.sha256()
+    h = CorpusHash()
     for d in docs:
-        for part in (d.name, d.text):
-            b = part.encode("utf-8")
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
+        h.update(d.name, d.text.encode("utf-8"))
     return h.hexdigest()
 
 
@@ -61,11 +86,11 @@ def source_files(cfg: DataConfig) -> tuple[Path | None, list[Path]]:
     return None, [_existing(cfg.path, "file")]
 
 
-def _pydoc(cfg: DataConfig) -> list[Document]:
+def _pydoc(cfg: DataConfig) -> Iterator[Document]:
     """CPython's language reference (`pydoc_data.topics`), one document per topic."""
     from pydoc_data.topics import topics  # stdlib, but a large module: only when this source is asked for
 
-    return [Document(name, topics[name]) for name in sorted(topics)]
+    return (Document(name, topics[name]) for name in sorted(topics))
 
 
 def _existing(path: str, kind: str) -> Path:
@@ -76,36 +101,23 @@ def _existing(path: str, kind: str) -> Path:
     return p
 
 
-def _read_text(p: Path) -> str:
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            problem(str(p), "UTF-8 text", f"undecodable bytes at offset {e.start}", "convert the file to UTF-8")
-        ) from None
-
-
-def _text_file(cfg: DataConfig) -> list[Document]:
-    """A text file; documents are separated by lines holding only `---` or by form feeds, else the whole file."""
+def _text_file(cfg: DataConfig) -> Iterator[Document]:
+    """A text file (plain, gzip or zstd); documents are separated by lines holding only `---` or by
+    form feeds, else the whole file. Names count empty parts too, as they always have."""
     p = _existing(cfg.path, "file")
-    text = _read_text(p).replace("\f", "\n---\n")
-    parts = [part.strip("\n") for part in _split_on_rule(text)]
-    return [Document(f"{p.name}#{i}", part) for i, part in enumerate(parts)]
+    current: list[str] = []
+    index = 0
+    for _, raw in iter_lines(p):
+        for line in raw.replace("\f", "\n---\n").splitlines(keepends=True):
+            if line.strip() == "---":
+                yield Document(f"{p.name}#{index}", "".join(current).strip("\n"))
+                index, current = index + 1, []
+            else:
+                current.append(line)
+    yield Document(f"{p.name}#{index}", "".join(current).strip("\n"))
 
 
-def _split_on_rule(text: str) -> list[str]:
-    parts, current = [], []
-    for line in text.splitlines(keepends=True):
-        if line.strip() == "---":
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(line)
-    parts.append("".join(current))
-    return parts
-
-
-def _directory(cfg: DataConfig) -> list[Document]:
+def _directory(cfg: DataConfig) -> Iterator[Document]:
     """Every file matching `data.glob` under `data.path`, one document each, sorted by path."""
     root = _existing(cfg.path, "directory")
     files = sorted(p for p in root.glob(cfg.glob) if p.is_file())
@@ -113,14 +125,14 @@ def _directory(cfg: DataConfig) -> list[Document]:
         raise DataError(
             problem(f"data.path={cfg.path}", f"files matching data.glob={cfg.glob}", "none", "check data.glob")
         )
-    return [Document(str(p.relative_to(root)), _read_text(p)) for p in files]
+    return (Document(str(p.relative_to(root)), read_text(p)) for p in files)
 
 
-def _jsonl(cfg: DataConfig) -> list[Document]:
-    """One JSON object per line with the document in `data.text_field`; a bad line is an error."""
+def _jsonl(cfg: DataConfig) -> Iterator[Document]:
+    """One JSON object per line (plain, gzip or zstd) with the document in `data.text_field`; a bad
+    line is an error naming it."""
     p = _existing(cfg.path, "file")
-    docs = []
-    for lineno, line in enumerate(_read_text(p).splitlines(), start=1):
+    for lineno, line in iter_lines(p):
         if not line.strip():
             continue
         try:
@@ -138,5 +150,15 @@ def _jsonl(cfg: DataConfig) -> list[Document]:
                     "set data.text_field to the field holding the text",
                 )
             )
-        docs.append(Document(f"{p.name}:{lineno}", obj[cfg.text_field]))
-    return docs
+        yield Document(f"{p.name}:{lineno}", obj[cfg.text_field])
+
+
+def _parquet(cfg: DataConfig) -> Iterator[Document]:
+    """The `data.text_field` column of a parquet file, one document per row, read a batch at a time."""
+    p = _existing(cfg.path, "file")
+    for row, text in iter_parquet(p, cfg.text_field):
+        if text is None:
+            raise DataError(
+                problem(f"{p} row {row}", f"a string in column {cfg.text_field!r}", "null", "drop or fill null rows")
+            )
+        yield Document(f"{p.name}:{row}", text)

@@ -11,23 +11,20 @@ attention (and positions) inside each example (`pipeline.models.base.segment_cau
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.config import DataConfig
-from pipeline.data.packed import SPLITS, Packed, PackMeta, save_rows, write_meta
-from pipeline.data.pydoc_qa import write_pydoc_instruct
-from pipeline.data.split import split_indices
+from pipeline.data.instruct_formats import conversation
+from pipeline.data.packed import Packed
 from pipeline.errors import ConfigError, DataError, problem
-from pipeline.files import atomic_dir, write_text
 from pipeline.gguf.chat import render_messages
+from pipeline.gguf.spans import Span, cut, encode_spans, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.models.losses import IGNORE_INDEX
 
@@ -45,7 +42,7 @@ class Example:
 
 
 def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
-    """Examples from JSONL lines `{"prompt", "response"}` or `{"messages": [...]}` (last = assistant).
+    """Examples from JSONL lines: `{"prompt", "response"|"completion"}`, Alpaca, ShareGPT or `{"messages"}`.
 
     Blank lines are allowed; any other malformed line is an error naming its line number.
     """
@@ -68,32 +65,30 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
 
 
 def parse_example(line: str, where: str) -> Example:
-    """One JSONL line as an Example, or a DataError saying what is wrong with it."""
+    """One JSONL line (any shape of `pipeline.data.instruct_formats`) as an Example, or a DataError
+    saying what is wrong with it."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
-    shape = 'an object with string "prompt" and "response", or "messages" ending with an assistant message'
-    if not isinstance(obj, dict):
-        raise DataError(problem(where, shape, type(obj).__name__, "fix or remove the line"))
-    if "messages" in obj:
-        msgs = obj["messages"]
-        ok = isinstance(msgs, list) and len(msgs) >= 2
-        ok = ok and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
-        ok = ok and all(isinstance(m.get("content"), str) for m in msgs)
-        if not ok:
-            raise DataError(
-                problem(where, "messages: a list of >= 2 {role, content} strings", repr(msgs)[:80], "fix the line")
-            )
-        if msgs[-1]["role"] != "assistant":
-            raise DataError(
-                problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
-            )
-        prior = tuple({"role": m["role"], "content": m["content"]} for m in msgs[:-1])
-        return Example(prior, msgs[-1]["content"], where)
-    if not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
-        raise DataError(problem(where, shape, f"keys {sorted(obj)}", "fix or remove the line"))
-    return Example(({"role": "user", "content": obj["prompt"]},), obj["response"], where)
+    msgs = conversation(obj, where)
+    return _answered(Example(tuple(msgs[:-1]), msgs[-1]["content"], where), _answer_field(obj))
+
+
+def _answer_field(obj: dict[str, Any]) -> str:
+    """How the error names the answer: its key in the line's format, or the last assistant message."""
+    return next((f'"{k}"' for k in ("response", "completion", "output") if k in obj), "the last message's content")
+
+
+def _answered(ex: Example, field: str) -> Example:
+    """An empty answer would teach only the template's end-of-turn token (the chat template's own
+    text counts as the response), so it is refused rather than trained on."""
+    if not ex.response.strip():
+        found = "an empty string" if not ex.response else f"only whitespace ({ex.response!r})"
+        raise DataError(
+            problem(f"{ex.where} {field}", "a non-empty response", found, "write the answer or remove the line")
+        )
+    return ex
 
 
 # ----- formatting and tokenizing -----
@@ -139,15 +134,83 @@ class Formatter:
             )
         return prompt, full[len(prompt) :]
 
-    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+    def spans(self, ex: Example) -> tuple[list[Span], list[Span]]:
+        """`texts` as spans: the template's text trusted, the example's own text (prompt, response,
+        message contents) untrusted unless data.parse_special (see `pipeline.gguf.spans`)."""
         prompt_text, response_text = self.texts(ex)
-        prompt = self.tok.encode(prompt_text)
-        if self.tok.add_bos and self.tok.bos_id is not None and prompt[:1] != [self.tok.bos_id]:
-            prompt = [self.tok.bos_id, *prompt]
-        response = self.tok.encode(response_text) if response_text else []
-        if self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
-            response.append(self.tok.eos_id)
-        return prompt, response
+        if self.cfg.parse_special:
+            return [(prompt_text, True)], [(response_text, True)]
+        if self.chat_template is None:
+            prompt = _fill(self.cfg.plain_prompt, "{prompt}", "\n\n".join(m["content"] for m in ex.messages))
+            return prompt, _fill(self.cfg.plain_response, "{response}", ex.response)
+        answered = [*ex.messages, {"role": "assistant", "content": ex.response}]
+        return cut(render_spans(self.tok, self.chat_template, answered, add_generation_prompt=False), len(prompt_text))
+
+    def encode(self, ex: Example) -> tuple[list[int], list[int]]:
+        prompt_spans, response_spans = self.spans(ex)
+        return self._ids(prompt_spans, first=True), self._ids(response_spans, answer=True)
+
+    def _ids(self, spans: list[Span], first: bool = False, answer: bool = False) -> list[int]:
+        """A piece's ids: the first starts with BOS when the GGUF asks for it; a plain answer ends with EOS."""
+        ids = encode_spans(self.tok, spans) if spans else []
+        if first and self.tok.add_bos and self.tok.bos_id is not None and ids[:1] != [self.tok.bos_id]:
+            ids = [self.tok.bos_id, *ids]
+        if answer and self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
+            ids.append(self.tok.eos_id)
+        return ids
+
+    def encode_turns(self, ex: Example) -> tuple[list[int], list[int], list[bool]]:
+        """Every assistant turn learned (`data.all_turns`): the ids before the first answer, the ids after
+        it, and which of those are answer tokens. One answer gives exactly `encode`'s ids."""
+        pieces = turn_texts(self, ex)
+        spans = self.piece_spans(ex, pieces)
+        prompt = self._ids(spans[0], first=True)
+        rest: list[int] = []
+        mask: list[bool] = []
+        for piece, (_, is_answer) in zip(spans[1:], pieces[1:]):
+            ids = self._ids(piece, answer=is_answer)
+            rest += ids
+            mask += [is_answer] * len(ids)
+        return prompt, rest, mask
+
+    def piece_spans(self, ex: Example, pieces: list[tuple[str, bool]]) -> list[list[Span]]:
+        """`turn_texts`' pieces as spans (see `spans`): the whole rendering's spans cut at each piece's end."""
+        if self.cfg.parse_special:
+            return [[(text, True)] for text, _ in pieces]
+        msgs = [*ex.messages, {"role": "assistant", "content": ex.response}]
+        if self.chat_template is None:
+            return _plain_spans(self.cfg, msgs)
+        rest = render_spans(self.tok, self.chat_template, msgs, add_generation_prompt=False)
+        out = []
+        for text, _ in pieces:
+            head, rest = cut(rest, len(text))
+            out.append(head)
+        return out
+
+
+def _plain_spans(cfg: DataConfig, msgs: list[dict[str, str]]) -> list[list[Span]]:
+    """The plain template's pieces as spans, in `turn_texts`' order: a prompt before each answer."""
+    out: list[list[Span]] = []
+    pending: list[str] = []
+    for m in msgs:
+        if m["role"] != "assistant":
+            pending.append(m["content"])
+            continue
+        out += [
+            _fill(cfg.plain_prompt, "{prompt}", "\n\n".join(pending)),
+            _fill(cfg.plain_response, "{response}", m["content"]),
+        ]
+        pending = []
+    return out
+
+
+def _fill(template: str, field: str, text: str) -> list[Span]:
+    """A plain template's text (trusted) with `text` (untrusted) at each `field`."""
+    pieces = template.split(field)
+    spans = [(pieces[0], True)]
+    for piece in pieces[1:]:
+        spans += [(text, False), (piece, True)]
+    return [(t, trusted) for t, trusted in spans if t]
 
 
 def truncate(
@@ -178,12 +241,53 @@ def truncate(
     return prompt, response, truncated
 
 
-def example_arrays(prompt: list[int], response: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """input ids (n) and labels (n): label[t] = token[t+1] when it is a response token, else -100."""
+def example_arrays(
+    prompt: list[int], response: list[int], mask: list[bool] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """input ids (n) and labels (n): label[t] = token[t+1] when it is a response token (one `mask` marks,
+    when given: every assistant turn after the first answer's start), else -100."""
     tokens = np.asarray(prompt + response, dtype=np.int64)
+    target = np.zeros(len(tokens), dtype=bool)
+    target[len(prompt) :] = True if mask is None else mask
+    target[:1] = False  # the first token has no predecessor to predict it
     labels = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
-    labels[max(len(prompt), 1) - 1 : len(tokens) - 1] = tokens[max(len(prompt), 1) :]
+    labels[:-1] = np.where(target[1:], tokens[1:], IGNORE_INDEX)
     return tokens, labels
+
+
+def turn_texts(fmt: Formatter, ex: Example) -> list[tuple[str, bool]]:
+    """The conversation as (text, is an assistant answer) pieces, every assistant turn an answer: what
+    `data.all_turns` trains on. One answer gives exactly `Formatter.texts`' prompt and response."""
+    msgs = [*ex.messages, {"role": "assistant", "content": ex.response}]
+    pieces: list[tuple[str, bool]] = []
+    if fmt.chat_template is None:
+        pending: list[str] = []
+        for m in msgs:
+            if m["role"] != "assistant":
+                pending.append(m["content"])
+                continue
+            pieces.append((fmt.cfg.plain_prompt.replace("{prompt}", "\n\n".join(pending)), False))
+            pieces.append((fmt.cfg.plain_response.replace("{response}", m["content"]), True))
+            pending = []
+        return pieces
+    done = ""
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = render_messages(fmt.tok, fmt.chat_template, msgs[:k], add_generation_prompt=True)
+        after = render_messages(fmt.tok, fmt.chat_template, msgs[: k + 1], add_generation_prompt=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise DataError(
+                problem(
+                    f"{ex.where} (chat template, assistant turn {k})",
+                    "each rendering to extend the previous one, so the answers can be cut out",
+                    "a different prefix",
+                    "use data.template=plain or data.all_turns=false",
+                )
+            )
+        pieces += [(before[len(done) :], False), (after[len(before) :], True)]
+        done = after
+    return pieces
 
 
 def pack_examples(
@@ -211,6 +315,19 @@ def pack_examples(
     return x, y, seg
 
 
+def encode_example(
+    fmt: Formatter, ex: Example, cfg: DataConfig, bos_id: int | None
+) -> tuple[list[int], list[int], list[bool] | None, bool]:
+    """Prompt ids, response ids (with `data.all_turns`: everything after the first answer's start, and a
+    mask of the answer tokens), truncated to `max_seq_len`; an example left with nothing to learn is an error."""
+    if not cfg.all_turns:
+        prompt, response, cut = truncate(*fmt.encode(ex), cfg, bos_id, ex.where)
+        return prompt, response, None, cut
+    prompt, rest, mask = fmt.encode_turns(ex)
+    prompt, rest, cut = truncate(prompt, rest, cfg, bos_id, ex.where)
+    return prompt, rest, mask[: len(rest)], cut
+
+
 def build_instruct(
     examples: list[Example], tokenizer: GGUFTokenizer, metadata: dict[str, Any], cfg: DataConfig
 ) -> Packed:
@@ -219,12 +336,11 @@ def build_instruct(
     encoded = []
     stats = {"examples": len(examples), "truncated": 0, "prompt_tokens": 0, "response_tokens": 0}
     for ex in examples:
-        prompt, response = fmt.encode(ex)
-        prompt, response, cut = truncate(prompt, response, cfg, tokenizer.bos_id, ex.where)
+        prompt, response, mask, cut = encode_example(fmt, ex, cfg, tokenizer.bos_id)
         stats["truncated"] += int(cut)
         stats["prompt_tokens"] += len(prompt)
         stats["response_tokens"] += len(response)
-        encoded.append(example_arrays(prompt, response))
+        encoded.append(example_arrays(prompt, response, mask))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     x, y, seg = pack_examples(encoded, cfg.max_seq_len, pad, cfg.pack)
     stats["rows"] = int(x.shape[0])
@@ -232,74 +348,3 @@ def build_instruct(
     stats["filled_positions"] = int((seg > 0).sum())
     stats["chat_template"] = int(fmt.chat_template is not None)
     return Packed(x, y, seg, stats)
-
-
-# ----- the pack stage for data.source=instruct -----
-
-
-def split_examples(lines: list[str], val_fraction: float, seed: int) -> dict[str, list[str]]:
-    """Example lines of each split (see `pipeline.data.split`), order kept within a split."""
-    if len(lines) < 2:
-        raise DataError(
-            problem("instruct data", "at least 2 examples (one train, one val)", str(len(lines)), "add examples")
-        )
-    train, val = split_indices(len(lines), val_fraction, seed)
-    return {"train": [lines[i] for i in train], "val": [lines[i] for i in val]}
-
-
-def write_instruct_splits(data: DataConfig, out_dir: Path) -> dict[str, int]:
-    """`train.jsonl` / `val.jsonl` in `out_dir`: the pydoc Q/A set (data.path empty, split by topic)
-    or the lines of the JSONL at data.path, every line validated first (errors name the line)."""
-    if not data.path:
-        return write_pydoc_instruct(out_dir, data.val_fraction, data.split_seed, data.max_chars)
-    read_instruct_jsonl(data.path)  # a malformed line is an error naming it, before anything is written
-    lines = [line for line in Path(data.path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    split = split_examples(lines, data.val_fraction, data.split_seed)
-    for name, rows in split.items():
-        write_text(Path(out_dir) / f"{name}.jsonl", "".join(r + "\n" for r in rows))
-    return {"train": len(split["train"]), "val": len(split["val"])}
-
-
-def pack_instruct(
-    data: DataConfig, tokenizer: GGUFTokenizer, metadata: dict[str, Any], out_dir: Path
-) -> tuple[PackMeta, dict[str, float]]:
-    """The pack stage for instruct data: split, format with the base's chat template (or the plain
-    one), truncate, pack, and write `out_dir` atomically."""
-    start = time.perf_counter()
-    with atomic_dir(out_dir) as tmp:
-        write_instruct_splits(data, tmp)
-        packed = {n: build_instruct(read_instruct_jsonl(tmp / f"{n}.jsonl"), tokenizer, metadata, data) for n in SPLITS}
-        for name, p in packed.items():
-            save_rows(p, tmp / f"{name}.npz")
-        sha = hashlib.sha256(b"".join((tmp / f"{n}.jsonl").read_bytes() for n in SPLITS)).hexdigest()
-        meta = _instruct_meta(tokenizer, packed, sha, data)
-        write_meta(tmp, meta)
-    metrics: dict[str, float] = {
-        "seconds": time.perf_counter() - start,
-        "chat_template": float(packed["train"].stats["chat_template"]),
-    }
-    for name, p in packed.items():
-        for key in ("examples", "truncated", "rows", "label_tokens", "prompt_tokens", "response_tokens"):
-            metrics[f"{key}_{name}"] = float(p.stats[key])
-    metrics["tokens"] = float(sum(p.stats["filled_positions"] for p in packed.values()))
-    return meta, metrics
-
-
-def _instruct_meta(tokenizer: GGUFTokenizer, packed: dict[str, Packed], sha: str, data: DataConfig) -> PackMeta:
-    ids = np.concatenate([p.input_ids[p.segment_ids > 0] for p in packed.values()])
-    return PackMeta(
-        vocab_size=tokenizer.vocab_size,
-        dtype="int64",
-        tokenizer_fingerprint=tokenizer.fingerprint(),
-        corpus_sha256=sha,
-        source="instruct",
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
-        documents={n: p.stats["examples"] for n, p in packed.items()},
-        tokens={n: p.stats["filled_positions"] for n, p in packed.items()},
-        distinct_tokens=int(np.unique(ids).size),
-        format="instruct",
-        seq_len=data.max_seq_len,
-        stats={n: p.stats for n, p in packed.items()},
-        data=asdict(data),
-    )

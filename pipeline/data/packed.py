@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,12 @@ class PackMeta:
     stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
     data: dict | None = None  # the data config it was packed with: what later stages check theirs against
     bytes: dict[str, int] | None = None  # running text: UTF-8 bytes of each split's documents (bits per byte)
+
+    def bits_per_token(self, split: str = "val") -> float | None:
+        """Nats per token -> bits per UTF-8 byte of `split`'s text (its token/byte ratio over ln 2): the
+        unit that compares models with different tokenizers. None where pack counted no bytes (instruct rows)."""
+        counted = (self.bytes or {}).get(split)
+        return self.tokens[split] / counted / math.log(2) if counted else None
 
 
 @dataclass

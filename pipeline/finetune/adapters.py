@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -148,6 +150,8 @@ def _adapter(state: dict[str, torch.Tensor], names: dict[str, str], alpha: float
                     "export it again (A/B transposed?)",
                 )
             )
+        if a.shape[0] == 0:
+            raise AdapterError(problem(f"{where} tensor {names[f'{p}.lora_A']}", "rank >= 1", "rank 0", _RESAVE))
         ranks.add(int(a.shape[0]))
     if len(ranks) != 1:
         raise AdapterError(problem(where, "one rank for all layers", f"ranks {sorted(ranks)}", "export it again"))
@@ -277,10 +281,7 @@ def read_peft_adapter(adapter_dir: str | os.PathLike[str], model_cfg: Any) -> Ad
     for p in (cfg_path, weights):
         if not p.is_file():
             raise AdapterError(problem(str(p), "a PEFT adapter file", "no such file", "point at a PEFT adapter dir"))
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(problem(str(cfg_path), "JSON", f"invalid JSON ({e.msg})", "re-save the adapter")) from None
+    config = _peft_config(cfg_path)
     unsupported = [
         k for k in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern") if config.get(k)
     ]
@@ -296,7 +297,7 @@ def read_peft_adapter(adapter_dir: str | os.PathLike[str], model_cfg: Any) -> Ad
     layers = {v: k for k, v in HF_LAYERS.items()}
     state: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
-    for name, t in load_file(str(weights)).items():
+    for name, t in _peft_tensors(weights).items():
         match = _PEFT_NAME.match(name)
         if match is None or match.group(2) not in layers:
             raise AdapterError(
@@ -314,6 +315,36 @@ def read_peft_adapter(adapter_dir: str | os.PathLike[str], model_cfg: Any) -> Ad
     return _adapter(state, names, float(config.get("lora_alpha", 0.0)), where)
 
 
+_RESAVE = "re-save the adapter (PEFT's save_pretrained, or the export stage), or point lora= at a whole one"
+
+
+def _peft_config(path: Path) -> dict[str, Any]:
+    """`adapter_config.json` as a JSON object with a numeric `lora_alpha` (when it has one)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise AdapterError(problem(str(path), "a JSON object", f"unreadable ({_one_line(e)})", _RESAVE)) from None
+    if not isinstance(config, dict):
+        raise AdapterError(problem(str(path), "a JSON object", type(config).__name__, _RESAVE))
+    alpha = config.get("lora_alpha", 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+        raise AdapterError(problem(f"{path} lora_alpha", "a number >= 0", repr(alpha)[:60], _RESAVE))
+    return config
+
+
+def _peft_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The adapter's tensors; a truncated or garbage safetensors file is a named error."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        found = f"not a readable safetensors file ({_one_line(e)})"
+        raise AdapterError(problem(str(path), "LoRA weights in safetensors format", found, _RESAVE)) from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:120]
+
+
 # ----- merged -----
 
 
@@ -326,6 +357,11 @@ def export_merged_gguf(
 ) -> Path:
     """`model` as a model GGUF, adapters merged and quantized layers dequantized in a copy (the
     model itself keeps them)."""
+    return export_gguf(plain_model(model), Path(path), tokenizer_meta, provenance, dtype)
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """`model` with adapters merged and quantized layers dequantized, in a copy (or itself when it has neither)."""
     if lora_layers(model) or any(isinstance(m, QuantLinear) for m in model.modules()):
-        model = dequantize_model(merge_lora(copy.deepcopy(model)))
-    return export_gguf(model, Path(path), tokenizer_meta, provenance, dtype)
+        return dequantize_model(merge_lora(copy.deepcopy(model)))
+    return model

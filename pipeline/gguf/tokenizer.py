@@ -82,16 +82,27 @@ class GGUFTokenizer:
         self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
         self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
         self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
-        tokenizer = self._build_byte_level_bpe(pre) if pre is not None else self._build_sentencepiece_bpe()
-        self._add_special_tokens(tokenizer)
-        self._tok: Tokenizer = tokenizer
+        self._pre_tokenizer = pre
+        self._tok: Tokenizer = self._build(control=True)
+        self._plain: Tokenizer | None = None  # without CONTROL/UNKNOWN matching: built on first use
         self._fingerprint: str | None = None
 
     # ----- public API -----
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in it become their ids; no BOS/EOS added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; no BOS/EOS added. `special`: CONTROL/UNKNOWN tokens written in it
+        become their ids; False (llama.cpp `parse_special=false`, for untrusted text) tokenizes them
+        as the plain characters they are, so typed `<|im_end|>` cannot end a turn."""
+        if special:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._plain is None:
+            self._plain = self._build(control=False)
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def control_tokens(self) -> list[str]:
+        """The spellings `encode` matches as special (CONTROL and UNKNOWN tokens), once each."""
+        kinds, first = (TOKEN_CONTROL, TOKEN_UNKNOWN), self._token_to_id
+        return [t for i, (t, k) in enumerate(zip(self._tokens, self._types)) if k in kinds and first[t] == i]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` over many texts in parallel (Rust threads); same ids as `encode`."""
@@ -218,28 +229,18 @@ class GGUFTokenizer:
     def _string_list(self, metadata: Mapping[str, Any], key: str) -> list[str]:
         value = metadata.get(key)
         if not isinstance(value, list):
-            raise GGUFError(
-                problem(
-                    f"{self._source} {key}",
-                    f"a list of strings (required for tokenizer.ggml.model={self.model_type})",
-                    "it is missing" if value is None else type(value).__name__,
-                    "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
-                )
-            )
+            expected = f"a list of strings (required for tokenizer.ggml.model={self.model_type})"
+            found = "it is missing" if value is None else type(value).__name__
+            raise GGUFError(problem(f"{self._source} {key}", expected, found, _CORRUPT))
         _check_items(value, f"{self._source} {key}", str, "strings")
         return list(value)
 
     def _float_list(self, metadata: Mapping[str, Any], key: str) -> list[float]:
         value = metadata.get(key)
         if not isinstance(value, list) or len(value) != self.vocab_size:
-            raise GGUFError(
-                problem(
-                    f"{self._source} {key}",
-                    f"one score per token ({self.vocab_size}); they fix the SentencePiece merge order",
-                    "it is missing" if value is None else f"{len(value) if isinstance(value, list) else value!r}",
-                    "re-export the GGUF with llama.cpp's convert_hf_to_gguf.py",
-                )
-            )
+            expected = f"one score per token ({self.vocab_size}); they fix the SentencePiece merge order"
+            found = "it is missing" if value is None else f"{len(value) if isinstance(value, list) else value!r}"
+            raise GGUFError(problem(f"{self._source} {key}", expected, found, _CORRUPT))
         _check_items(value, f"{self._source} {key}", (int, float), "finite numbers")
         return [float(v) for v in value]
 
@@ -346,14 +347,22 @@ class GGUFTokenizer:
                 )
             )
 
-    def _add_special_tokens(self, tokenizer) -> None:
+    def _build(self, control: bool) -> Tokenizer:
+        """The `tokenizers` pipeline; `control=False` leaves CONTROL/UNKNOWN tokens unmatched in text."""
+        pre = self._pre_tokenizer
+        tokenizer = self._build_byte_level_bpe(pre) if pre is not None else self._build_sentencepiece_bpe()
+        self._add_special_tokens(tokenizer, control)
+        return tokenizer
+
+    def _add_special_tokens(self, tokenizer, control: bool = True) -> None:
         """Tokens llama.cpp matches whole in raw text before splitting: CONTROL, UNKNOWN (special,
-        dropped by decode) and USER_DEFINED (kept by decode). They keep their vocabulary ids."""
+        dropped by decode; not matched with `control=False`, as llama.cpp's `parse_special=false`)
+        and USER_DEFINED (kept by decode, always matched). They keep their vocabulary ids."""
         special, user = [], []
         for i, (tok, typ) in enumerate(zip(self._tokens, self._types, strict=True)):
             if self._token_to_id[tok] != i:
                 continue
-            if typ in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+            if typ in (TOKEN_CONTROL, TOKEN_UNKNOWN) and control:
                 special.append(AddedToken(tok, special=True, normalized=False))
             elif typ == TOKEN_USER_DEFINED:
                 user.append(AddedToken(tok, special=False, normalized=False))

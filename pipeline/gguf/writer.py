@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,22 +12,31 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from pipeline.errors import GGUFError, problem
 from pipeline.files import atomic_file
+from pipeline.gguf.quantize import K_QUANTS, llamacpp_quantize, require_llamacpp
 from pipeline.gguf.reader import TypedValue
 
-# export dtype -> ggml tensor type name and llama.cpp's `general.file_type` (enum llama_ftype)
+# export dtype -> the ggml tensor type gguf-py writes for matrices, and llama.cpp's `general.file_type`
+# (enum llama_ftype). K-quants are llama.cpp's own mixes: pipeline.gguf.quantize writes them.
 TENSOR_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, MOSTLY_BF16
+TENSOR_TYPES |= {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}
+FILE_TYPES |= {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+# below 8 bits the token table (which is also the head when tied) and the head stay Q8_0, as llama.cpp
+# keeps them at a higher type than the rest (it uses Q6_K, which gguf-py cannot write)
+LOW_BIT = ("q4_0", "q4_1", "q5_0", "q5_1")
+HEAD_TENSORS = ("token_embd.weight", "output.weight")
 
 
-def encode_tensor(arr: np.ndarray, dtype: str, ggml_type: str | None = None):
+def encode_tensor(arr: np.ndarray, dtype: str, ggml_type: str | None = None, tensor: str = ""):
     """`arr` as stored for an export of `dtype`: (data for GGUFWriter.add_tensor, its ggml type).
 
     As llama.cpp's convert_hf_to_gguf does: 1-D tensors (norm weights, rope factors) stay F32,
-    and a matrix whose rows do not split into whole quant blocks (q8_0: 32) falls back to F16.
-    `ggml_type` (a gguf-py type name such as Q4_0, Q4_1, Q5_0) overrides `dtype` for matrices.
+    and a matrix whose rows do not split into whole quant blocks (32) falls back to F16. Below
+    8 bits the token table and head (`tensor` in HEAD_TENSORS) are Q8_0.
+    `ggml_type` (a gguf-py type name such as Q4_0, Q4_1, Q5_0) overrides `dtype` for all matrices.
     """
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    name = ggml_type or TENSOR_TYPES[dtype]
+    name = ggml_type or ("Q8_0" if dtype in LOW_BIT and tensor in HEAD_TENSORS else TENSOR_TYPES[dtype])
     qtype = GGMLQuantizationType[name] if arr.ndim >= 2 else GGMLQuantizationType.F32
     try:
         return quants.quantize(arr, qtype), qtype
@@ -63,7 +73,7 @@ def write_gguf(
             else:
                 writer.add_key_value(key, value, _value_type(value), _array_type(value))
         for name, arr in tensors.items():
-            data, qtype = encode_tensor(arr, dtype, ggml_type)
+            data, qtype = encode_tensor(arr, dtype, ggml_type, name)
             writer.add_tensor(name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -82,12 +92,18 @@ def write_model_gguf(
     dtype: str,
 ) -> Path:
     """What every architecture's export shares: `general.type=model`, provenance, the architecture's
-    keys, the donor's tokenizer, in that order. `dtype` (f32, f16, bf16, q8_0) types the matrices."""
-    if dtype not in TENSOR_TYPES:
-        raise GGUFError(
-            problem("export.dtype", f"one of {', '.join(TENSOR_TYPES)}", repr(dtype), "pick a supported type")
-        )
+    keys, the donor's tokenizer, in that order. `dtype` types the matrices: a TENSOR_TYPES key, or a
+    K-quant (K_QUANTS), which llama.cpp's own quantizer writes from an f32 file."""
+    if dtype not in TENSOR_TYPES and dtype not in K_QUANTS:
+        choices = ", ".join([*TENSOR_TYPES, *K_QUANTS])
+        raise GGUFError(problem("export.dtype", f"one of {choices}", repr(dtype), "pick a supported type"))
     metadata: dict[str, Any] = {"general.type": "model", **provenance, **arch_meta, **tokenizer_meta}
+    if dtype in K_QUANTS:
+        require_llamacpp(dtype)  # before the f32 file is written
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=Path(path).parent, prefix=".f32-") as tmp:
+            f32 = write_gguf(Path(tmp) / "f32.gguf", arch, {**metadata, "general.file_type": 0}, tensors, "f32")
+            return llamacpp_quantize(f32, path, dtype)
     return write_gguf(path, arch, metadata, tensors, dtype=dtype)
 
 

@@ -19,12 +19,13 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, problem
-from pipeline.files import atomic_dir, flatten, sha256_file
+from pipeline.files import atomic_dir, flatten, pid_alive, sha256_file
+from pipeline.records import field_problems
 
 FORMAT = 1
 STATE_FILE = "state.json"
@@ -51,6 +52,38 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k)
     ]
+
+
+@dataclass
+class LoopState:
+    """The loop's own counters: with weights, optimizer, sampler and RNGs, what a checkpoint saves."""
+
+    step: int = 0  # optimizer steps done
+    history: list[dict[str, float]] = field(default_factory=list)  # one row per logged step
+    skipped_steps: int = 0
+    seconds: float = 0.0  # training time before this process took over
+    initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base's)
+    epoch_losses: list[float] = field(default_factory=list)  # train losses of the epoch in progress
+    best_val_loss: float | None = None  # the lowest val loss so far (train.keep_best, early stopping)
+    best_step: int = 0  # the step it was measured at
+    evals_since_best: int = 0  # evaluations since then (train.early_stop_patience)
+    stopped_early: bool = False  # a checkpoint written when early stopping ended the run
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any]) -> LoopState:
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
+
+
+@dataclass
+class _Saved:
+    """The keys `write` and `save_checkpoint` put in every state besides the loop state's."""
+
+    step: int
+    files: dict[str, str]
+    mlflow_run_id: str | None = None
+    compat: dict[str, Any] | None = None
+    sampler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,8 +125,12 @@ def validate(path: Path) -> Checkpoint:
         raise CheckpointError(problem(str(state_path), "a checkpoint state file", "no such file", _FIX)) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(problem(str(state_path), "valid JSON", f"{type(e).__name__}", _FIX)) from None
-    if state.get("format") != FORMAT:
-        raise CheckpointError(problem(str(state_path), f"format {FORMAT}", repr(state.get("format")), _FIX))
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = repr(state.get("format")) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(problem(str(state_path), f"format {FORMAT}", found, _FIX))
+    wrong = field_problems(state, _Saved) + field_problems(state, LoopState)
+    if wrong:
+        raise CheckpointError(problem(str(state_path), "a checkpoint state as train writes it", "; ".join(wrong), _FIX))
     for name, digest in state.get("files", {}).items():
         f = path / name
         if not f.is_file():
@@ -103,7 +140,10 @@ def validate(path: Path) -> Checkpoint:
     return Checkpoint(path, state)
 
 
-_FIX = "it is skipped; delete it, or resume from an older checkpoint"
+_FIX = (
+    "delete that step directory (train.resume=auto skips it and resumes from the one before), "
+    "or start over with train.resume=never"
+)
 
 
 def newest_valid(root: Path, report: Callable[[str], None] | None = None) -> Checkpoint | None:
@@ -189,17 +229,5 @@ def remove_stale_temps(root: Path) -> None:
         return
     for p in Path(root).iterdir():
         m = _TEMP_DIR.match(p.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -60,6 +60,7 @@ class Hooks:
     flush: Callable[[], None] = _ignore
     run_id: str | None = None
     progress: bool = True  # a tqdm bar on the main rank (off for quiet/json output)
+    bits_per_token: float | None = None  # val loss (nats/token) -> bits per byte: logged as val_bpb beside it
 
 
 @dataclass
@@ -208,6 +209,8 @@ class _Run:
         if done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end:
             row["val_loss"] = self.validate()
             row["val_ppl"] = math.exp(row["val_loss"])
+            if self.hooks.bits_per_token is not None:
+                row["val_bpb"] = row["val_loss"] * self.hooks.bits_per_token
             self.track_best(done, row["val_loss"])
         if epoch_end:  # perplexity per epoch: the epoch's mean train loss and the val loss at its end
             losses = self.state.epoch_losses

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from pipeline.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_f
 from pipeline.models.base import TransformerConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
+from pipeline.training.checkpoint import LoopState
 from pipeline.training.session import Session, trainable_names
 
 # Settings that change the training trajectory: a checkpoint resumes only a run that agrees on all
@@ -35,26 +36,6 @@ from pipeline.training.session import Session, trainable_names
 TRAJECTORY_KEYS = ("steps", "batch_size", "seq_len", "grad_accum", "precision", "compile")
 RNG_FILE = "rng.pt"
 BEST_FILE = "best.safetensors"  # in a checkpoint: the best weights so far, when not the step's own
-
-
-@dataclass
-class LoopState:
-    """The loop's own counters: with weights, optimizer, sampler and RNGs, what a checkpoint saves."""
-
-    step: int = 0  # optimizer steps done
-    history: list[dict[str, float]] = field(default_factory=list)  # one row per logged step
-    skipped_steps: int = 0
-    seconds: float = 0.0  # training time before this process took over
-    initial_val_loss: float | None = None  # instruct rows: val loss before the first step (the base's)
-    epoch_losses: list[float] = field(default_factory=list)  # train losses of the epoch in progress
-    best_val_loss: float | None = None  # the lowest val loss so far (train.keep_best, early stopping)
-    best_step: int = 0  # the step it was measured at
-    evals_since_best: int = 0  # evaluations since then (train.early_stop_patience)
-    stopped_early: bool = False  # a checkpoint written when early stopping ended the run
-
-    @classmethod
-    def from_checkpoint(cls, state: dict[str, Any]) -> LoopState:
-        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
 
 @dataclass

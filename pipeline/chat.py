@@ -1,0 +1,145 @@
+"""Multi-turn chat with the GGUF's chat template, streaming, and the KV cache kept across turns.
+
+Each turn renders the whole conversation with the template (as llama.cpp's server does), tokenizes
+it, and feeds the model only the tokens after the longest prefix already in the cache: the
+previous turns' prompt and answer tokens are computed once. The cache holds exactly the ids fed
+so far (`ChatSession.fed`); when the re-rendered history differs from them (a template that
+rewrites earlier turns, or the answer's text re-tokenizing differently) the cache is cut back to
+the common prefix, so the result always equals a fresh run over the rendered text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeline.errors import ConfigError, problem
+from pipeline.gguf.chat import default_stop_ids, render_messages
+from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.models.base import KVCache
+from pipeline.models.sampling import Sampling, pick_next
+
+
+@dataclass
+class TurnStats:
+    """What a turn cost: prompt tokens fed vs reused from the cache, and the answer's length."""
+
+    prompt_tokens: int  # the whole rendered conversation
+    new_prompt_tokens: int  # fed to the model this turn
+    reused_tokens: int  # already in the cache
+    answer_tokens: int
+    seconds: float
+    stop_reason: str  # stop_id | length
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def truncate_cache(cache: KVCache, length: int) -> None:
+    """Keep the first `length` positions of every layer's keys and values."""
+    for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+        if k is not None:
+            cache.k[i], cache.v[i] = k[:, :, :length], v[:, :, :length]
+
+
+@dataclass
+class ChatSession:
+    """A conversation with `model`; `system` (optional) opens every conversation, `/reset` included."""
+
+    model: nn.Module
+    tok: GGUFTokenizer
+    template: str
+    sampling: Sampling = field(default_factory=Sampling)
+    max_new_tokens: int = 256
+    system: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+    cache: KVCache | None = None
+
+    def __post_init__(self) -> None:
+        self.reset()
+        self.stop_ids = default_stop_ids(self.tok, chat=True)
+        self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.fed, self.cache = [], KVCache(self.model.cfg.n_layer)
+
+    def prompt_ids(self) -> list[int]:
+        text = render_messages(self.tok, self.template, self.messages, add_generation_prompt=True)
+        ids = self.tok.encode(text)
+        if self.tok.add_bos and self.tok.bos_id is not None and ids[:1] != [self.tok.bos_id]:
+            ids = [self.tok.bos_id, *ids]
+        return ids
+
+    def _fit(self, ids: list[int]) -> list[int]:
+        """Drop the oldest exchanges (not the system turn) until the prompt and an answer fit the context."""
+        ctx = self.model.cfg.context_length
+        first = 1 if self.system else 0
+        while len(ids) + self.max_new_tokens > ctx and len(self.messages) > first + 1:
+            del self.messages[first : first + 2]
+            ids = self.prompt_ids()
+        if len(ids) + self.max_new_tokens > ctx:
+            raise ConfigError(
+                problem(
+                    "chat message",
+                    f"a prompt of at most {ctx - self.max_new_tokens} tokens (context_length - max_new_tokens)",
+                    f"{len(ids)} tokens",
+                    "send a shorter message or lower max_new_tokens",
+                )
+            )
+        return ids
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        logits = self.model(torch.tensor([ids], device=device), self.cache)[0, -1].float().cpu()
+        self.fed.extend(ids)
+        return logits
+
+    def _pick(self, logits: torch.Tensor, window: list[int]) -> int:
+        """The next id by llama.cpp's sampler chain, the penalty over the last repetition_last_n ids."""
+        s, last_n = self.sampling, self.sampling.repetition_last_n
+        seen = [] if last_n == 0 else window if last_n < 0 else window[-last_n:]
+        return pick_next(logits, s.temperature, s.top_k, self.generator, s.top_p, s.repetition_penalty, seen)
+
+    @torch.inference_mode()
+    def turn(self, text: str, on_text: Callable[[str], None] = lambda s: None) -> tuple[str, TurnStats]:
+        """Answer `text`, calling `on_text` with each new piece of the answer as it is decoded."""
+        start = time.perf_counter()
+        self.model.eval()
+        self.messages.append({"role": "user", "content": text})
+        ids = self._fit(self.prompt_ids())
+        keep = min(common_prefix(self.fed, ids), len(ids) - 1)  # at least one token is fed for the logits
+        if keep < len(self.fed):
+            truncate_cache(self.cache, keep)
+            self.fed = self.fed[:keep]
+        logits = self._feed(ids[keep:])
+        answer, shown, reason = [], "", "length"
+        while len(answer) < self.max_new_tokens:
+            nxt = self._pick(logits, ids + answer)
+            if nxt in self.stop_ids:
+                reason = "stop_id"
+                break
+            answer.append(nxt)
+            decoded = self.tok.decode(answer)
+            if not decoded.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                on_text(decoded[len(shown) :])
+                shown = decoded
+            if len(answer) < self.max_new_tokens:
+                logits = self._feed([nxt])
+        reply = self.tok.decode(answer)
+        on_text(reply[len(shown) :])
+        self.messages.append({"role": "assistant", "content": reply})
+        stats = TurnStats(len(ids), len(ids) - keep, keep, len(answer), time.perf_counter() - start, reason)
+        return reply, stats

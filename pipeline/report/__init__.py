@@ -1,0 +1,25 @@
+"""The report stage's library: the pipeline's outputs and its MLflow runs into `reports/report.md`
+(text, diffable in git) and a self-contained `reports/report.html` (charts embedded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.files import atomic_dir
+from pipeline.report.build import ReportInputs, build_report
+from pipeline.report.content import Report
+from pipeline.report.outputs import Outputs, check_ready, read_outputs
+from pipeline.report.render import markdown, page
+
+MARKDOWN = "report.md"
+HTML = "report.html"
+
+__all__ = ["HTML", "MARKDOWN", "Outputs", "Report", "ReportInputs", "build_report", "check_ready", "read_outputs"]
+
+
+def write_report(report: Report, out_dir: Path) -> tuple[Path, Path]:
+    """Both files, replacing the folder at once (a failed render leaves the previous report whole)."""
+    with atomic_dir(out_dir) as tmp:
+        (tmp / MARKDOWN).write_text(markdown(report))
+        (tmp / HTML).write_text(page(report))
+    return Path(out_dir) / MARKDOWN, Path(out_dir) / HTML

@@ -1,0 +1,79 @@
+"""chat: a multi-turn REPL with a model and its GGUF chat template, answers streamed as they come.
+
+`python -m stages.chat model_path=smollm2` (or models/export/model.gguf). Reads one message per
+line from stdin; `/reset` starts over, `/quit` or end of input leaves. The answer goes to stdout;
+a line per turn on stderr says how many prompt tokens were fed and how many came from the KV cache.
+Not a DVC stage and no MLflow run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from pipeline.chat import ChatSession, TurnStats
+from pipeline.config import ChatConfig
+from pipeline.errors import PipelineError
+from pipeline.generate import chat_prompt, load_for_generation
+from pipeline.models.sampling import Sampling
+from pipeline.training.runtime import pick_device
+from stages.common import CONFIG_PATH, entry, fail, structured_config
+
+
+def open_session(cfg: ChatConfig) -> ChatSession:
+    """The model, its tokenizer and chat template (a missing template is a one-line error)."""
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    model, tok, metadata = load_for_generation(cfg.model_path, cfg.tokenizer_gguf, cfg.lora)
+    model.to(device=pick_device(cfg.device), dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    chat_prompt(metadata, tok, "hi")  # refuses a GGUF without a chat template, naming the fix
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
+    template = str(metadata["tokenizer.chat_template"])
+    return ChatSession(model, tok, template, sampling, cfg.max_new_tokens, cfg.system)
+
+
+def report(n: int, stats: TurnStats) -> str:
+    rate = stats.answer_tokens / stats.seconds if stats.seconds > 0 else 0.0
+    return (
+        f"chat: turn {n}: {stats.new_prompt_tokens} new prompt tokens, {stats.reused_tokens} reused from the cache, "
+        f"{stats.answer_tokens} answer tokens ({stats.stop_reason}), {rate:.1f} tokens/s"
+    )
+
+
+def repl(session: ChatSession) -> None:
+    """Read messages until /quit or end of input; stream each answer to stdout."""
+    interactive = sys.stdin.isatty()
+    n = 0
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            return
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            session.reset()
+            n = 0
+            print("chat: conversation reset", file=sys.stderr, flush=True)
+            continue
+        if not text.strip():
+            continue
+        n += 1
+        _, stats = session.turn(text, lambda piece: print(piece, end="", flush=True))
+        print(flush=True)
+        print(report(n, stats), file=sys.stderr, flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="chat")
+def main(cfg: DictConfig) -> None:
+    try:
+        repl(open_session(structured_config(ChatConfig, cfg, "conf/chat.yaml")))
+    except PipelineError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    entry(main)

@@ -1,0 +1,115 @@
+"""Chat: turns through the chat template, the KV cache kept across turns (a turn feeds only the new
+tokens, and answers exactly what a fresh run over the whole rendered conversation would), /reset,
+and the `stages.chat` REPL on the real SmolLM2 through stdin."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.chat import ChatSession, common_prefix
+from pipeline.errors import ConfigError
+from pipeline.generate import load_for_generation
+from pipeline.gguf.chat import default_stop_ids
+from pipeline.modeldir import save_model_dir
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
+from pipeline.models.sampling import Sampling, generate_ids
+from tests.conftest import ROOT, write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def session_parts(tmp_path_factory) -> tuple:
+    """A random 2-layer llama (context 128) with the tiny byte-level tokenizer and ChatML template."""
+    d = tmp_path_factory.mktemp("chat")
+    path = write_tiny_gguf(d / "tiny.gguf", vocab=64, width=16, model=True)
+    model = Llama(TransformerConfig(64, 32, 2, 4, 2, 64, 128))
+    init_weights(model, 0.3, 0)
+    (d / "model").mkdir()
+    save_model_dir(d / "model", model)
+    model, tok, meta = load_for_generation(str(d / "model"), tokenizer_gguf=str(path))
+    return model.eval(), tok, str(meta["tokenizer.chat_template"])
+
+
+def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(session_parts: tuple) -> None:
+    model, tok, template = session_parts
+    chat = ChatSession(model, tok, template, Sampling(), max_new_tokens=3)
+    pieces: list[str] = []
+    first, stats1 = chat.turn("hi", pieces.append)
+    assert "".join(pieces) == first and stats1.reused_tokens == 0
+    assert stats1.new_prompt_tokens == stats1.prompt_tokens
+    cached = list(chat.fed)
+    second, stats2 = chat.turn("ok")
+    ids2 = chat.fed[: stats2.prompt_tokens]
+    assert stats2.reused_tokens == common_prefix(cached, ids2) > stats1.prompt_tokens  # turn 1's prompt, and more
+    assert stats2.new_prompt_tokens == stats2.prompt_tokens - stats2.reused_tokens < stats2.prompt_tokens
+    fresh = generate_ids(model, ids2, 3, stop_ids=default_stop_ids(tok, chat=True))
+    assert tok.decode(fresh) == second
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_reset_and_a_full_context_drop_the_oldest_turns(session_parts: tuple) -> None:
+    model, tok, template = session_parts
+    chat = ChatSession(model, tok, template, Sampling(), max_new_tokens=3, system="be")
+    for text in "abcdefgh":  # ~25 tokens an exchange, context 128: old exchanges go, the system turn stays
+        chat.turn(text)
+        assert len(chat.fed) <= model.cfg.context_length
+    assert chat.messages[0] == {"role": "system", "content": "be"} and chat.messages[-2]["content"] == "h"
+    assert len(chat.messages) < 17
+    with pytest.raises(ConfigError, match="chat message: expected a prompt of at most 125 tokens"):
+        chat.turn("a" * 200)
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "be"}] and chat.fed == [] and chat.cache.length == 0
+    _, stats = chat.turn("a")
+    assert stats.reused_tokens == 0
+
+
+def test_chat_cli_answers_two_turns_on_smollm2_reusing_the_cache(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.chat", "model_path=smollm2", "temperature=0", "max_new_tokens=12", "threads=1"]
+        + [f"hydra.run.dir={tmp_path}"],
+        input="What is 2+2?\nAnd 3+3?\n/quit\nnever read\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    turns = re.findall(r"chat: turn (\d): (\d+) new prompt tokens, (\d+) reused from the cache", proc.stderr)
+    assert [t[0] for t in turns] == ["1", "2"], proc.stderr
+    (_, new1, reused1), (_, new2, reused2) = [tuple(map(int, t)) for t in turns]
+    assert reused1 == 0 and reused2 >= new1 and 0 < new2 < new1  # turn 2 fed only its own message
+    answers = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(answers) == 2 and "4" in answers[0], proc.stdout
+
+
+def test_chat_cli_bad_model_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.chat", "model_path=/no/such.gguf", f"hydra.run.dir={tmp_path}"],
+        input="",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: model_path=/no/such.gguf")
+
+
+def test_conf_chat_yaml_matches_the_schema() -> None:
+    from omegaconf import OmegaConf
+
+    from pipeline.config import ChatConfig
+    from stages.common import structured_config
+
+    on_disk = OmegaConf.load(ROOT / "conf" / "chat.yaml")
+    on_disk.pop("hydra")
+    on_disk.model_path = "smollm2"
+    assert isinstance(structured_config(ChatConfig, on_disk), ChatConfig)
+    assert set(on_disk) == set(ChatConfig.__dataclass_fields__)
