@@ -163,7 +163,9 @@ def test_sigkill_mid_export_leaves_the_last_export_and_the_next_run_clears_its_t
     proc.communicate(timeout=60)
     left = root / "models" / f".export.tmp-{proc.pid}"
     assert left.is_dir() and sha256_file(out) == first, "the killed write must not touch models/export"
-    assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]
+    shipped = sorted(p.name for p in out.parent.iterdir())  # model.gguf, its conventional name, the card
+    assert "model.gguf" in shipped and "README.md" in shipped and not [n for n in shipped if ".tmp-" in n]
     run_to_end(root, cmd)
+    assert sorted(p.name for p in out.parent.iterdir()) == shipped
     assert not left.exists() and sha256_file(out) == first
     assert sorted(p.name for p in (root / "models").iterdir()) == ["export", "train"]

@@ -287,6 +287,8 @@ def stage_cmd(ckpt_dir: Path, steps: int, *extra: str) -> list[str]:
         sys.executable,
         "-m",
         "stages.train",
+        "recipe=from-scratch",  # the tiny scratch init of make_project, trained without distillation
+        "optim=adamw",  # the optimizer the library references use (OptimConfig's defaults)
         f"train.steps={steps}",
         "train.batch_size=4",
         "train.seq_len=32",
