@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from pipeline.chat import common_prefix  # noqa: E402
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.registry import load_gguf
@@ -45,15 +46,6 @@ def timed(stream: Iterator[int], n: int) -> tuple[list[int], float, float]:
             break
     end = time.perf_counter()
     return ids, first - start, end - first
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def teacher_forced_agreement(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> int:

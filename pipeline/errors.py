@@ -23,6 +23,11 @@ class DataError(PipelineError):
     """A corpus or packed-data file is missing or malformed."""
 
 
+def one_line(e: object, width: int = 200) -> str:
+    """A library's message (often multi-line) squeezed into our one line, for `problem`'s found part."""
+    return " ".join(str(e).split())[:width]
+
+
 def problem(where: str, expected: str, found: str, fix: str) -> str:
     """Format the standard one-line message: where, expected, found, fix."""
     return f"{where}: expected {expected}, found {found}; fix: {fix}"

@@ -44,16 +44,8 @@ class GenerateConfig:
             "both",
             "drop one: prompt=... for short text, prompt_file=path.txt (or - for stdin) for free text",
         )
-        positive(self.max_new_tokens, "max_new_tokens")
-        at_least(self.temperature, "temperature", 0, "use 0 for greedy")
-        at_least(self.top_k, "top_k", 0, "use 0 to disable top-k")
-        check(0 < self.top_p <= 1, "top_p", "a value in (0, 1]", self.top_p, "use 1 to disable top-p")
-        positive(self.repetition_penalty, "repetition_penalty")
-        at_least(self.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
         check(all(self.stop), "stop", "non-empty stop strings", self.stop, "remove the empty string")
-        choice(self.precision, "precision", PRECISIONS)
-        choice(self.device, "device", DEVICES)
-        at_least(self.threads, "threads", 0, "use 0 for torch's default")
+        check_sampling(self)
 
 
 @dataclass
@@ -78,12 +70,17 @@ class ChatConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
-        positive(self.max_new_tokens, "max_new_tokens")
-        at_least(self.temperature, "temperature", 0, "use 0 for greedy")
-        at_least(self.top_k, "top_k", 0, "use 0 to disable top-k")
-        check(0 < self.top_p <= 1, "top_p", "a value in (0, 1]", self.top_p, "use 1 to disable top-p")
-        positive(self.repetition_penalty, "repetition_penalty")
-        at_least(self.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
-        choice(self.precision, "precision", PRECISIONS)
-        choice(self.device, "device", DEVICES)
-        at_least(self.threads, "threads", 0, "use 0 for torch's default")
+        check_sampling(self)
+
+
+def check_sampling(cfg: GenerateConfig | ChatConfig) -> None:
+    """The sampling and runtime keys generate and chat share, each refused by name."""
+    positive(cfg.max_new_tokens, "max_new_tokens")
+    at_least(cfg.temperature, "temperature", 0, "use 0 for greedy")
+    at_least(cfg.top_k, "top_k", 0, "use 0 to disable top-k")
+    check(0 < cfg.top_p <= 1, "top_p", "a value in (0, 1]", cfg.top_p, "use 1 to disable top-p")
+    positive(cfg.repetition_penalty, "repetition_penalty")
+    at_least(cfg.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
+    choice(cfg.precision, "precision", PRECISIONS)
+    choice(cfg.device, "device", DEVICES)
+    at_least(cfg.threads, "threads", 0, "use 0 for torch's default")

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.config import LoraConfig
-from pipeline.errors import GGUFError, problem
+from pipeline.errors import GGUFError, one_line, problem
 from pipeline.files import atomic_dir
 from pipeline.finetune.lora import (
     AdapterError,
@@ -323,7 +323,7 @@ def _peft_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise AdapterError(problem(str(path), "a JSON object", f"unreadable ({_one_line(e)})", _RESAVE)) from None
+        raise AdapterError(problem(str(path), "a JSON object", f"unreadable ({one_line(e, 120)})", _RESAVE)) from None
     if not isinstance(config, dict):
         raise AdapterError(problem(str(path), "a JSON object", type(config).__name__, _RESAVE))
     alpha = config.get("lora_alpha", 0.0)
@@ -337,12 +337,8 @@ def _peft_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        found = f"not a readable safetensors file ({_one_line(e)})"
+        found = f"not a readable safetensors file ({one_line(e, 120)})"
         raise AdapterError(problem(str(path), "LoRA weights in safetensors format", found, _RESAVE)) from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:120]
 
 
 # ----- merged -----

@@ -30,7 +30,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pipeline.errors import PipelineError, problem
+from pipeline.errors import PipelineError, one_line, problem
 from pipeline.gguf.tokenizer import GGUFTokenizer
 
 MAX_CALL_DEPTH = 32  # nested calls: real templates nest a handful (a recursive tool-schema macro)
@@ -271,15 +271,15 @@ def render_chat(
         ) from None
     except TemplateSyntaxError as e:
         raise ChatTemplateError(
-            problem(source, "a valid Jinja template", f"a syntax error at line {e.lineno} ({_one_line(e)})", _FIX)
+            problem(source, "a valid Jinja template", f"a syntax error at line {e.lineno} ({one_line(e)})", _FIX)
         ) from None
     except TemplateError as e:
         raise ChatTemplateError(
-            problem(source, "a template that renders these messages", f"an error: {_one_line(e)}", _FIX)
+            problem(source, "a template that renders these messages", f"an error: {one_line(e)}", _FIX)
         ) from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
         raise ChatTemplateError(
-            problem(source, "a template that renders these messages", f"{type(e).__name__}: {_one_line(e)}", _FIX)
+            problem(source, "a template that renders these messages", f"{type(e).__name__}: {one_line(e)}", _FIX)
         ) from None
 
 
@@ -296,10 +296,6 @@ def _bounded_output(env: _BoundedSandbox, chunks: Iterable[str]) -> Iterator[str
 _BOUNDED = "the template loops, recurses or grows without bound; fix it in the GGUF, or use chat=false"
 _UNSAFE = "do not use this model file's chat template (it may be malicious); render the prompt yourself with chat=false"
 _FIX = "fix the template in the GGUF, or use chat=false and write the prompt yourself"
-
-
-def _one_line(e: object) -> str:
-    return " ".join(str(e).split())[:200]
 
 
 CHAT_END_TOKEN = "<|im_end|>"  # ChatML's end of turn: a stop id for chat when the vocabulary has it
