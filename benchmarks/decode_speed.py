@@ -1,18 +1,22 @@
 """Greedy decode speed of our model vs llama.cpp (llama-cpp-python) on the SmolLM2 GGUF, side by side.
 
-    python benchmarks/decode_speed.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--prompt "..."]
+    python benchmarks/decode_speed.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--prompt "..."] [--eager]
 
 Both decode the same prompt ids (our tokenizer) for the same number of new tokens, greedily, on
-the same number of threads, after a warm-up; runs are interleaved (ours fp32, ours bf16,
-llama.cpp) and the median of the repeats is reported, because the machine is shared. Decode rate
+the same number of threads, after a warm-up; runs are interleaved (ours int8, bf16, fp32 as
+`generate precision=...` runs them, i.e. `pipeline.models.decode.for_decoding`; with `--eager` also
+the plain bf16 module; then llama.cpp) and the median of the repeats is reported, because the
+machine is shared. Decode rate
 = tokens after the first over their time (llama.cpp's "eval" rate); prefill = prompt pass + first
 token. Threads default to 1: on a shared 2-core machine, 2 threads of either engine wait at
 OpenMP / ggml barriers while other jobs hold a core, and both rates collapse.
 
 Agreement: "same leading ids" = how many leading greedy ids equal llama.cpp's (one near-tie flips
 the rest); "teacher-forced" = at how many of llama.cpp's positions our argmax is llama.cpp's id
-when fed llama.cpp's prefix. Ours runs dequantized fp32/bf16 weights, llama.cpp the Q4_1 weights
-with quantized activations, so near-ties can go either way.
+when fed llama.cpp's prefix; "vs fp32" = the same against our fp32 path's greedy ids, with the
+fp32 top-2 logit margin at each position where they differ (a small margin = a near-tie). Ours runs
+the dequantized weights (fp32, bf16, or int8 per row), llama.cpp the Q4_1 weights with quantized
+activations, so near-ties can go either way.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from pipeline.chat import common_prefix  # noqa: E402
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.models.decode import PRECISIONS, PackedLlama, for_decoding
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, stream_ids
 
@@ -48,12 +53,35 @@ def timed(stream: Iterator[int], n: int) -> tuple[list[int], float, float]:
     return ids, first - start, end - first
 
 
-def teacher_forced_agreement(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> int:
-    """How many of llama.cpp's greedy ids are also our argmax when fed llama.cpp's own prefix:
-    a per-position check that does not compound after one near-tie flips."""
+def forced_logits(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> torch.Tensor:
+    """fp32 logits at each of `ref_ids`' positions when fed `prompt_ids + ref_ids` (teacher forcing)."""
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids + ref_ids[:-1]]))[0, len(prompt_ids) - 1 :]
-    return int((logits.float().argmax(-1) == torch.tensor(ref_ids)).sum())
+        return model(torch.tensor([prompt_ids + ref_ids[:-1]]))[0, len(prompt_ids) - 1 :].float()
+
+
+def teacher_forced_agreement(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> int:
+    """How many of the reference greedy ids are also our argmax when fed the reference's own prefix:
+    a per-position check that does not compound after one near-tie flips."""
+    return int((forced_logits(model, prompt_ids, ref_ids).argmax(-1) == torch.tensor(ref_ids)).sum())
+
+
+def disagreements_vs_fp32(model: torch.nn.Module, fp32: torch.nn.Module, prompt_ids: list[int], ids: list[int]) -> str:
+    """Teacher-forced agreement with our fp32 path on its own greedy `ids`, and fp32's top-2 margin
+    where the argmaxes differ."""
+    ours, ref = forced_logits(model, prompt_ids, ids), forced_logits(fp32, prompt_ids, ids)
+    differ = (ours.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
+    top2 = ref.topk(2, dim=-1).values
+    margins = ", ".join(f"{float(top2[i, 0] - top2[i, 1]):.2f}" for i in differ)
+    return f"{len(ids) - len(differ)}/{len(ids)}" + (f" (fp32 margins {margins})" if differ else "")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one token reads: every matmul weight (and scale) once, the tied table once."""
+    if not isinstance(model, PackedLlama):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    linears = [model.head] + [getattr(w, n) for w in model.layers for n in ("qkv", "wo", "gate_up", "down")]
+    tensors = [t for lin in linears for t in (lin.weight, lin.scale) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def bench(
@@ -85,16 +113,20 @@ def bench(
 
 def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> None:
     print(f"\n{threads} thread(s): decode tok/s = (n-1)/decode time, median of {len(results['llama.cpp'])} runs")
-    head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced")
-    print(f"{'':10} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}")
+    head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced", "vs fp32")
+    print(f"{'':11} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}  {head[5]}")
     ref_ids = results["llama.cpp"][0][0]
     ref_rate = statistics.median((n - 1) / d for _, _, d in results["llama.cpp"])
+    fp32_ids = results["ours fp32"][0][0]
     for name, runs in results.items():
         rate = statistics.median((n - 1) / d for _, _, d in runs)
         prefill = statistics.median(p for _, p, _ in runs)
         lead = common_prefix(runs[0][0], ref_ids)
         forced = teacher_forced_agreement(models[name], prompt_ids, ref_ids) if name in models else n
-        print(f"{name:10} {rate:12.1f} {prefill:10.3f} {rate / ref_rate:11.3f}x {lead:>11}/{n} {forced:>11}/{n}")
+        fp32 = models["ours fp32"]
+        vs_fp32 = disagreements_vs_fp32(models[name], fp32, prompt_ids, fp32_ids) if name in models else ""
+        cells = f"{rate:12.1f} {prefill:10.3f} {rate / ref_rate:11.3f}x {lead:>11}/{n} {forced:>11}/{n}"
+        print(f"{name:11} {cells}  {vs_fp32}")
     print(f"llama.cpp text: {tok.decode(ref_ids)!r}")
     for name in models:
         if results[name][0][0] != ref_ids:
@@ -107,7 +139,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--no-bf16", action="store_true", help="skip our bf16 run")
+    ap.add_argument("--eager", action="store_true", help="also time the plain bf16 module (the old path)")
     args = ap.parse_args()
 
     path = resolve_gguf_path("smollm2")
@@ -116,14 +148,16 @@ def main() -> None:
     prompt_ids = tok.encode(args.prompt)
     if tok.add_bos and tok.bos_id is not None:
         prompt_ids = [tok.bos_id, *prompt_ids]
-    models = {"ours fp32": model.eval()}
-    if not args.no_bf16:
-        models["ours bf16"] = load_gguf(path)[0].eval().to(torch.bfloat16)
+    start = time.perf_counter()
+    models = {f"ours {p}": for_decoding(model.eval(), p) for p in PRECISIONS}  # int8, bf16, fp32
+    pack_s = time.perf_counter() - start
+    if args.eager:
+        models["eager bf16"] = model.to(torch.bfloat16)
     print(f"SmolLM2-135M-Instruct (Q4_1 GGUF), prompt {args.prompt!r} ({len(prompt_ids)} tokens), {args.new_tokens}")
-    print(f"new tokens, greedy; ours = dequantized weights in torch {torch.__version__}, peer = llama-cpp-python")
+    print(f"new tokens, greedy; ours = packed dequantized weights in torch {torch.__version__} (packing all three:")
+    print(f"{pack_s:.1f} s), peer = llama-cpp-python")
     peer_mb = sum(g.tensor_info(name).n_bytes for name in g.tensor_names()) / 1e6
-    ours_mb = {name: sum(p.numel() * p.element_size() for p in m.parameters()) / 1e6 for name, m in models.items()}
-    sizes = "; ".join(f"{name} {mb:.0f} MB" for name, mb in ours_mb.items())
+    sizes = "; ".join(f"{name} {weight_bytes(m) / 1e6:.0f} MB" for name, m in models.items())
     print(f"weights read per token: {sizes}; llama.cpp {peer_mb:.0f} MB (Q4_1 blocks, Q8_0 embedding/head)")
     for threads in args.threads:
         results = bench(threads, models, str(path), prompt_ids, args.new_tokens, args.repeats)

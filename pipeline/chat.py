@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError, problem
 from pipeline.gguf.chat import default_stop_ids, render_messages
 from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.models.base import KVCache
-from pipeline.models.sampling import Sampling, pick_next
+from pipeline.models.sampling import Sampling, last_logits, new_cache, pick_next
 
 
 @dataclass
@@ -47,6 +47,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def truncate_cache(cache: KVCache, length: int) -> None:
     """Keep the first `length` positions of every layer's keys and values."""
+    if hasattr(cache, "truncate"):  # a packed decoder's preallocated cache
+        cache.truncate(length)
+        return
     for i, (k, v) in enumerate(zip(cache.k, cache.v)):
         if k is not None:
             cache.k[i], cache.v[i] = k[:, :, :length], v[:, :, :length]
@@ -74,7 +77,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation and the cache."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.fed, self.cache = [], KVCache(self.model.cfg.n_layer)
+        self.fed, self.cache = [], new_cache(self.model)
 
     def prompt_ids(self) -> list[int]:
         text = render_messages(self.tok, self.template, self.messages, add_generation_prompt=True)
@@ -102,8 +105,7 @@ class ChatSession:
         return ids
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        logits = self.model(torch.tensor([ids], device=device), self.cache)[0, -1].float().cpu()
+        logits = last_logits(self.model, ids, self.cache)
         self.fed.extend(ids)
         return logits
 

@@ -18,6 +18,7 @@ from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
 from pipeline.gguf.spans import Span, encode_spans, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import is_finetune_dir, load_model_dir, read_spec
+from pipeline.models.decode import for_decoding
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, complete
 from pipeline.training.runtime import pick_device
@@ -142,7 +143,7 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     model, tok, metadata = load_for_generation(cfg.model_path, cfg.tokenizer_gguf, cfg.lora)
-    model.to(device=pick_device(cfg.device), dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    model = for_decoding(model, cfg.precision, pick_device(cfg.device))
     spans = prompt_spans(metadata, tok, cfg)
     text = "".join(t for t, _ in spans)
     prompt_ids = encode_prompt(tok, spans, model.cfg.context_length)

@@ -18,6 +18,7 @@ from pipeline.chat import ChatSession, TurnStats
 from pipeline.config import ChatConfig
 from pipeline.errors import PipelineError
 from pipeline.generate import chat_prompt, load_for_generation
+from pipeline.models.decode import for_decoding
 from pipeline.models.sampling import Sampling
 from pipeline.training.runtime import pick_device
 from stages.common import CONFIG_PATH, entry, fail, structured_config
@@ -28,7 +29,7 @@ def open_session(cfg: ChatConfig) -> ChatSession:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     model, tok, metadata = load_for_generation(cfg.model_path, cfg.tokenizer_gguf, cfg.lora)
-    model.to(device=pick_device(cfg.device), dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    model = for_decoding(model, cfg.precision, pick_device(cfg.device))
     chat_prompt(metadata, tok, "hi")  # refuses a GGUF without a chat template, naming the fix
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
     template = str(metadata["tokenizer.chat_template"])

@@ -17,6 +17,7 @@ from pipeline.generate import load_for_generation
 from pipeline.gguf.chat import default_stop_ids
 from pipeline.modeldir import save_model_dir
 from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.decode import for_decoding
 from pipeline.models.llama import Llama
 from pipeline.models.sampling import Sampling, generate_ids
 from tests.conftest import ROOT, write_tiny_gguf
@@ -52,6 +53,20 @@ def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(session_pa
     fresh = generate_ids(model, ids2, 3, stop_ids=default_stop_ids(tok, chat=True))
     assert tok.decode(fresh) == second
     assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp32"])
+def test_a_packed_decoder_cuts_its_cache_back_and_answers_as_a_fresh_run(session_parts: tuple, precision: str) -> None:
+    """The preallocated cache (`pipeline.models.decode`) is cut back by moving its length."""
+    model, tok, template = session_parts
+    packed = for_decoding(model, precision)
+    chat = ChatSession(packed, tok, template, Sampling(), max_new_tokens=3)
+    chat.turn("hi")
+    chat.fed[-1] = -1  # as if the answer re-tokenized differently: the cache must be cut before it
+    second, stats = chat.turn("ok")
+    ids2 = chat.fed[: stats.prompt_tokens]
+    assert 0 < stats.reused_tokens < len(ids2) and chat.cache.length == len(chat.fed)
+    assert tok.decode(generate_ids(packed, ids2, 3, stop_ids=default_stop_ids(tok, chat=True))) == second
 
 
 def test_reset_and_a_full_context_drop_the_oldest_turns(session_parts: tuple) -> None:

@@ -24,6 +24,7 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.base import KVCache, TransformerConfig, init_weights
+from pipeline.models.decode import for_decoding
 from pipeline.models.llama import Llama
 from pipeline.models.sampling import (
     Sampling,
@@ -374,7 +375,7 @@ def test_cli_greedy_completion_equals_the_library(
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     ids = smol_tok.encode(PROMPT)
-    expected = generate_ids(smol_model, ids, 8, stop_ids=(smol_tok.eos_id,))
+    expected = generate_ids(for_decoding(smol_model, "int8"), ids, 8, stop_ids=(smol_tok.eos_id,))  # the default
     result = json.loads((out / "generate.json").read_text())
     assert result["prompt_ids"] == ids and result["ids"] == expected
     assert result["completion"] == smol_tok.decode(expected) and result["completion"] in stdout

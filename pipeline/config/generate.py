@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.config.checks import at_least, check, choice, positive
-from pipeline.config.train import DEVICES, PRECISIONS
+from pipeline.config.train import DEVICES
+
+# how generate and chat store the weights (pipeline.models.decode): int8 rows, bf16, or the exact fp32
+DECODE_PRECISIONS = ("int8", "bf16", "fp32")
 
 
 @dataclass
@@ -31,7 +34,7 @@ class GenerateConfig:
     stop_ids: list[int] | None = None  # None: EOS (+ <|im_end|> with chat); [] for none
     seed: int = 0
     cache: bool = True  # false recomputes the whole window every token (for checking the cache)
-    precision: str = "fp32"
+    precision: str = "int8"  # int8 | bf16 | fp32 weights (pipeline.models.decode)
     device: str = "auto"
     threads: int = 0  # 0: torch's default
 
@@ -64,7 +67,7 @@ class ChatConfig:
     repetition_penalty: float = 1.0
     repetition_last_n: int = 64
     seed: int = 0
-    precision: str = "fp32"
+    precision: str = "int8"  # int8 | bf16 | fp32 weights (pipeline.models.decode)
     device: str = "auto"
     threads: int = 0
 
@@ -81,6 +84,6 @@ def check_sampling(cfg: GenerateConfig | ChatConfig) -> None:
     check(0 < cfg.top_p <= 1, "top_p", "a value in (0, 1]", cfg.top_p, "use 1 to disable top-p")
     positive(cfg.repetition_penalty, "repetition_penalty")
     at_least(cfg.repetition_last_n, "repetition_last_n", -1, "use 64, 0 for none or -1 for the whole context")
-    choice(cfg.precision, "precision", PRECISIONS)
+    choice(cfg.precision, "precision", DECODE_PRECISIONS)
     choice(cfg.device, "device", DEVICES)
     at_least(cfg.threads, "threads", 0, "use 0 for torch's default")

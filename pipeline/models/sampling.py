@@ -85,8 +85,23 @@ def _recent(window: list[int], last_n: int) -> list[int]:
     return window if last_n < 0 else window[-last_n:]
 
 
-def _last_logits(model: nn.Module, ids: list[int], cache: KVCache | None, device: torch.device) -> torch.Tensor:
-    return model(torch.tensor([ids], device=device), cache)[0, -1].float().cpu()
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (a packed decoder says so; a module has parameters)."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
+def new_cache(model: nn.Module) -> KVCache:
+    """An empty KV cache of the kind the model writes (a packed decoder's preallocated one)."""
+    return model.new_cache() if hasattr(model, "new_cache") else KVCache(model.cfg.n_layer)
+
+
+def last_logits(model: nn.Module, ids: Sequence[int], cache: KVCache | None) -> torch.Tensor:
+    """fp32 logits (vocab,) after `ids`, which continue what `cache` holds; a packed decoder runs
+    its head on the last position only."""
+    x = torch.tensor([list(ids)], device=model_device(model))
+    out = model(x, cache, last_only=True) if hasattr(model, "new_cache") else model(x, cache)
+    return out[0, -1].float().cpu()
 
 
 @torch.inference_mode()
@@ -103,12 +118,11 @@ def stream_ids(
     if not prompt_ids:
         raise ValueError("generation needs at least one prompt token")
     model.eval()
-    device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     ctx = model.cfg.context_length
     window = list(prompt_ids)[-ctx:]
-    cache = KVCache(model.cfg.n_layer) if use_cache else None
-    logits = _last_logits(model, window, cache, device)
+    cache = new_cache(model) if use_cache else None
+    logits = last_logits(model, window, cache)
     while True:
         nxt = pick_next(
             logits,
@@ -123,12 +137,12 @@ def stream_ids(
         window.append(nxt)
         if len(window) > ctx:
             window = window[-(ctx // 2) :]
-            cache = KVCache(model.cfg.n_layer) if use_cache else None
-            logits = _last_logits(model, window, cache, device)
+            cache = new_cache(model) if use_cache else None
+            logits = last_logits(model, window, cache)
         elif use_cache:
-            logits = _last_logits(model, [nxt], cache, device)
+            logits = last_logits(model, [nxt], cache)
         else:
-            logits = _last_logits(model, window, None, device)
+            logits = last_logits(model, window, None)
 
 
 def generate_ids(

@@ -1,0 +1,237 @@
+"""A llama model packed for decoding: the generate and chat paths, not training.
+
+Per token, eager PyTorch spends most of its time in Python and small ops, and in reading the
+weights. So, once at load: q|k|v and gate|up become one matmul each, the RoPE rotations are
+computed for the whole context, and the weights are stored as `precision` says:
+
+- `int8`: each weight row as int8 with one bf16 scale (symmetric, max |w| -> 127), multiplied by
+  `torch.ops.aten._weight_int8pack_mm` on CPU (bf16 activations): half the bytes of bf16;
+- `bf16`: bf16 weights and activations;
+- `fp32`: the model's own weights (no rounding; the reference the others are checked against).
+
+Norms, RoPE, the residual stream and attention stay fp32 in every mode (CPU attention in bf16 is
+slower, and less exact); the KV cache is a fp32 buffer preallocated and written in place
+(`StaticKVCache`), grown by doubling, never by a cat per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.config.generate import DECODE_PRECISIONS
+from pipeline.errors import ConfigError, problem
+from pipeline.models.base import TransformerConfig, causal_mask
+from pipeline.models.llama import Llama, rope_tables
+
+PRECISIONS = DECODE_PRECISIONS  # int8, bf16, fp32
+_FIRST_CAPACITY = 256  # cache positions allocated at first; doubled as needed up to context_length
+
+
+def check_precision(precision: str, where: str = "precision") -> None:
+    """A decode precision other than PRECISIONS is a one-line named error."""
+    if precision not in PRECISIONS:
+        raise ConfigError(problem(where, f"one of {', '.join(PRECISIONS)}", repr(precision), f"use {where}=int8"))
+
+
+class PackedLinear:
+    """`x @ W.T` with W stored for `precision` (see the module docstring); no bias (llama has none)."""
+
+    def __init__(self, weight: torch.Tensor, precision: str):
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.scale: torch.Tensor | None = None
+        if precision == "int8":
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+            self.weight = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale
+        else:
+            self.weight = w.to(torch.bfloat16 if precision == "bf16" else torch.float32).contiguous()
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in fp32 (for tests and the embedding lookup)."""
+        w = self.weight.float()
+        return w if self.scale is None else w * self.scale.float()[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        if x.device.type != "cpu":  # no int8 kernel everywhere: dequantize per call (still half the memory)
+            return F.linear(x, self.weight.to(x.dtype)) * self.scale
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def to(self, device: torch.device) -> PackedLinear:
+        self.weight = self.weight.to(device)
+        self.scale = None if self.scale is None else self.scale.to(device)
+        return self
+
+
+def effective_weight(module: nn.Module) -> torch.Tensor:
+    """The fp32 weight a linear layer applies: a LoRA wrapper's base plus its delta, a quantized
+    (QLoRA) base dequantized, else the plain weight."""
+    if hasattr(module, "delta_weight"):
+        return module.base_weight() + module.delta_weight()
+    if hasattr(module, "dequantize"):
+        return module.dequantize()
+    return module.weight.float()
+
+
+class StaticKVCache:
+    """Keys and values of every layer in one preallocated buffer (n_layer, B, n_kv_head, capacity,
+    head_dim), written in place; `length` positions are valid. `truncate` just moves `length` back."""
+
+    def __init__(self, cfg: TransformerConfig, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.k = self.v = torch.empty(0)
+        self.length = 0
+
+    def reserve(self, batch: int, n: int) -> None:
+        """Room for `n` positions (at most context_length), keeping what is cached."""
+        if self.k.numel() and self.k.shape[1] == batch and self.k.shape[3] >= n:
+            return
+        capacity = min(max(_FIRST_CAPACITY, n, 2 * (self.k.shape[3] if self.k.numel() else 0)), self.cfg.context_length)
+        shape = (self.cfg.n_layer, batch, self.cfg.n_kv_head, capacity, self.cfg.head_dim)
+        k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        if self.length:
+            k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+            v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+        self.k, self.v = k, v
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class PackedLayer:
+    """One llama block's weights, packed."""
+
+    def __init__(self, block: nn.Module, precision: str):
+        attn, ffn = block.attn, block.ffn
+        qkv = torch.cat([effective_weight(m) for m in (attn.wq, attn.wk, attn.wv)])
+        self.qkv = PackedLinear(qkv, precision)
+        self.wo = PackedLinear(effective_weight(attn.wo), precision)
+        self.gate_up = PackedLinear(torch.cat([effective_weight(ffn.gate), effective_weight(ffn.up)]), precision)
+        self.down = PackedLinear(effective_weight(ffn.down), precision)
+        self.attn_norm = block.attn_norm.weight.detach().float().clone()
+        self.ffn_norm = block.ffn_norm.weight.detach().float().clone()
+
+    def to(self, device: torch.device) -> PackedLayer:
+        for name in ("qkv", "wo", "gate_up", "down"):
+            getattr(self, name).to(device)
+        self.attn_norm, self.ffn_norm = self.attn_norm.to(device), self.ffn_norm.to(device)
+        return self
+
+
+class PackedLlama(nn.Module):
+    """A `Llama` packed for decoding: `model(idx, cache)` gives the same logits as the source model
+    (exactly in fp32 up to summation order; within the rounding of `precision` otherwise)."""
+
+    def __init__(self, model: Llama, precision: str, device: torch.device | str = "cpu"):
+        super().__init__()
+        check_precision(precision)
+        cfg = model.cfg
+        self.cfg, self.precision = cfg, precision
+        self.device = torch.device(device)
+        self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        with torch.no_grad():
+            self.layers = [PackedLayer(b, precision).to(self.device) for b in model.blocks]
+            self.norm = model.norm.weight.detach().float().clone().to(self.device)
+            table = model.embedding_table().detach()
+            self.table = PackedLinear(table, precision).to(self.device)
+            self.head = self.table if model.head is None else PackedLinear(effective_weight(model.head), precision)
+            self.head.to(self.device)
+            cos, sin = rope_tables(cfg, cfg.context_length, self.device)
+            self.rope = torch.complex(cos, sin)  # (context, head_dim/2): RoPE as a complex product
+
+    def new_cache(self) -> StaticKVCache:
+        return StaticKVCache(self.cfg, torch.float32, self.device)  # CPU attention in bf16 is slower
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(idx, self.table.weight).float()
+        if self.table.scale is None:
+            return rows
+        return rows * self.table.scale.float()[idx, None]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.norm_eps).to(self.dtype)
+
+    def _attention(self, layer: int, h: torch.Tensor, start: int, cache: StaticKVCache | None) -> torch.Tensor:
+        """Grouped-query attention of `h` (B, T, d_model) at positions start.. over the cache."""
+        cfg, w = self.cfg, self.layers[layer]
+        b, t, _ = h.shape
+        nq, nkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        qkv = w.qkv(h)
+        qk = torch.view_as_complex(qkv[..., : (nq + nkv) * hd].float().view(b, t, nq + nkv, hd // 2, 2))
+        qk = torch.view_as_real(qk * self.rope[start : start + t, None]).flatten(-2)
+        q = qk[:, :, :nq].transpose(1, 2)
+        k = qk[:, :, nq:].transpose(1, 2)
+        v = qkv[..., (nq + nkv) * hd :].float().view(b, t, nkv, hd).transpose(1, 2)
+        if cache is not None:
+            cache.k[layer, :, :, start : start + t] = k
+            cache.v[layer, :, :, start : start + t] = v
+            k, v = cache.k[layer, :, :, : start + t], cache.v[layer, :, :, : start + t]
+        if t == 1:
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        elif start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            mask = causal_mask(t, start + t, h.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return w.wo(y.transpose(1, 2).reshape(b, t, nq * hd).to(self.dtype))
+
+    def forward(self, idx: torch.Tensor, cache: StaticKVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """fp32 logits (B, T, vocab), or (B, 1, vocab) of the last position with `last_only`; with a
+        cache, `idx` continues the cached tokens."""
+        b, t = idx.shape
+        start = 0 if cache is None else cache.length
+        if start + t > self.cfg.context_length:
+            raise ValueError(f"sequence of {start + t} tokens exceeds context_length {self.cfg.context_length}")
+        if cache is not None:
+            cache.reserve(b, start + t)
+        x = self._embed(idx)
+        for i, w in enumerate(self.layers):
+            x = x + self._attention(i, self._norm(x, w.attn_norm), start, cache)
+            gate, up = w.gate_up(self._norm(x, w.ffn_norm)).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
+        if cache is not None:
+            cache.length = start + t
+        if last_only:
+            x = x[:, -1:]
+        return self.head(self._norm(x, self.norm)).float()
+
+
+class Int8Linear(nn.Module):
+    """An `nn.Linear` with int8 rows (`PackedLinear`) and a bf16 bias: int8 for other architectures."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.packed = PackedLinear(effective_weight(linear), "int8").to(linear.weight.device)
+        bias = getattr(linear, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.packed(x.to(torch.bfloat16))
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Every linear layer of `model` as an `Int8Linear`, the rest in bf16 (a tied head stays bf16)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, Int8Linear(module))
+    return model.to(torch.bfloat16)
+
+
+def for_decoding(model: nn.Module, precision: str, device: torch.device | str = "cpu") -> nn.Module:
+    """The model to decode with: a llama packed for `precision` (`PackedLlama`); another
+    architecture as its own modules, in bf16/fp32 or with int8 linear layers."""
+    check_precision(precision)
+    if isinstance(model, Llama):
+        return PackedLlama(model, precision, device)
+    model = model.to(device)
+    if precision == "int8":
+        return quantize_linears(model)
+    return model.to(dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
