@@ -19,21 +19,31 @@ from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, generate_ids, stream_ids
 from stages.common import structured_config
+from tests.test_gpt2 import perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> torch.nn.Module:
-    """A random 4-layer llama (GQA 4/2, norm weights away from 1) read back from an f32 GGUF."""
+def tiny_gguf(path: Path, dtype: str) -> torch.nn.Module:
+    """A random 4-layer llama (GQA 4/2, norm weights away from 1) written as a `dtype` GGUF, read back."""
     model = Llama(TransformerConfig(96, 64, 4, 4, 2, 96, 128, 100000.0, 1e-5))
     init_weights(model, 0.2, seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    path = export_llama(model, tmp_path_factory.mktemp("decode") / "tiny.gguf", {}, {"general.name": "tiny"}, "f32")
-    return load_gguf(path)[0].eval()
+    return load_gguf(export_llama(model, path, {}, {"general.name": "tiny"}, dtype))[0].eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> torch.nn.Module:
+    return tiny_gguf(tmp_path_factory.mktemp("decode") / "tiny.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> torch.nn.Module:
+    """The same model as a Q4_1 GGUF (Q8_0 token table), as SmolLM2's donor file is."""
+    return tiny_gguf(tmp_path_factory.mktemp("decode") / "tiny-q4_1.gguf", "q4_1")
 
 
 def ids(n: int, seed: int = 0, vocab: int = 96) -> torch.Tensor:
@@ -68,6 +78,21 @@ def test_fast_paths_stay_within_their_rounding_of_fp32(tiny: torch.nn.Module) ->
     assert 0 < err["bf16"] < 0.04 and 0 < err["int8"] < min(0.1, 4 * err["bf16"])
 
 
+def test_int4_blocks_land_on_a_q4_1_grid_again(tiny: torch.nn.Module, tiny_q4: torch.nn.Module) -> None:
+    """Weights dequantized from Q4_1 are q * d + m per block of 32: int4 blocks hold them up to the
+    bf16 rounding of d and m (a few thousandths of the block range), while the f32 original's weights
+    are off by up to half a step (a thirtieth of the range)."""
+    for model, low, high in ((tiny_q4, 0.0, 0.01), (tiny, 0.01, 0.07)):  # half a step <= 2 max|w| / 30
+        w = model.blocks[0].ffn.down.weight.detach()
+        err = float((PackedLinear(w, "int4").dequantized() - w).abs().max() / w.abs().max())
+        assert low < err < high
+    x = ids(48, seed=3)
+    with torch.inference_mode():
+        ref = tiny_q4(x)
+        err = {p: float((PackedLlama(tiny_q4, p)(x) - ref).abs().mean() / ref.std()) for p in ("bf16", "int8", "int4")}
+    assert 0 < err["bf16"] < err["int4"] < err["int8"]  # on a Q4_1 file int4 is the closer of the two
+
+
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_greedy_ids_equal_the_fp32_module(tiny: torch.nn.Module, precision: str) -> None:
     """A prompt without near-ties in its 24 greedy steps (the smallest fp32 top-2 margin is 2% of the
@@ -77,7 +102,7 @@ def test_greedy_ids_equal_the_fp32_module(tiny: torch.nn.Module, precision: str)
     assert generate_ids(for_decoding(tiny, precision), prompt, 24) == want
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_static_cache_decode_equals_full_recompute(
     tiny: torch.nn.Module, precision: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,18 +134,16 @@ def test_cached_stream_equals_recompute_across_the_sliding_window(tiny: torch.nn
 
 def test_a_bad_precision_is_one_named_line(tiny: torch.nn.Module) -> None:
     with pytest.raises(ConfigError) as err:
-        for_decoding(tiny, "int4")
-    assert str(err.value).startswith("precision: expected one of int8, bf16, fp32, found 'int4'")
+        for_decoding(tiny, "int2")
+    assert str(err.value).startswith("precision: expected one of int8, int4, bf16, fp32, found 'int2'")
     cfg = OmegaConf.create({"model_path": "smollm2", "precision": "q4"})
-    with pytest.raises(ConfigError, match=r"config key precision: expected one of int8, bf16, fp32") as err:
+    with pytest.raises(ConfigError, match=r"config key precision: expected one of int8, int4, bf16, fp32") as err:
         structured_config(ChatConfig, cfg, "conf/chat.yaml")
     assert "\n" not in str(err.value)
 
 
-def test_other_architectures_get_int8_linear_layers(tmp_path: Path) -> None:
-    from tests.test_gpt2 import perturbed  # a gpt2 with every parameter away from its init
-
-    model = perturbed()
+def test_other_architectures_get_int8_linear_layers() -> None:
+    model = perturbed()  # a gpt2 with every parameter away from its init
     x = ids(20, seed=7, vocab=model.cfg.vocab_size)
     with torch.inference_mode():
         ref = model(x)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pipeline.config.checks import at_least, check, choice, positive
 from pipeline.config.train import DEVICES
 
-# how generate and chat store the weights (pipeline.models.decode): int8 rows, bf16, or the exact fp32
-DECODE_PRECISIONS = ("int8", "bf16", "fp32")
+# how generate and chat store the weights (pipeline.models.decode): int8 rows, int4 blocks (CPU), bf16, or exact fp32
+DECODE_PRECISIONS = ("int8", "int4", "bf16", "fp32")
 
 
 @dataclass
@@ -34,7 +34,7 @@ class GenerateConfig:
     stop_ids: list[int] | None = None  # None: EOS (+ <|im_end|> with chat); [] for none
     seed: int = 0
     cache: bool = True  # false recomputes the whole window every token (for checking the cache)
-    precision: str = "int8"  # int8 | bf16 | fp32 weights (pipeline.models.decode)
+    precision: str = "int8"  # int8 | int4 (CPU) | bf16 | fp32 weights (pipeline.models.decode)
     device: str = "auto"
     threads: int = 0  # 0: torch's default
 
@@ -67,7 +67,7 @@ class ChatConfig:
     repetition_penalty: float = 1.0
     repetition_last_n: int = 64
     seed: int = 0
-    precision: str = "int8"  # int8 | bf16 | fp32 weights (pipeline.models.decode)
+    precision: str = "int8"  # int8 | int4 (CPU) | bf16 | fp32 weights (pipeline.models.decode)
     device: str = "auto"
     threads: int = 0
 

@@ -6,6 +6,9 @@ computed for the whole context, and the weights are stored as `precision` says:
 
 - `int8`: each weight row as int8 with one bf16 scale (symmetric, max |w| -> 127), multiplied by
   `torch.ops.aten._weight_int8pack_mm` on CPU (bf16 activations): half the bytes of bf16;
+- `int4` (CPU only): the block weights as 4-bit Q4_1-style blocks of 32 (`_int4_blocks`, through
+  `_weight_int4pack_mm_for_cpu`), the embedding/head as int8 rows: a quarter of bf16's bytes,
+  and near-exact for a Q4_0/Q4_1 GGUF (its weights are already on such a grid), lossy otherwise;
 - `bf16`: bf16 weights and activations;
 - `fp32`: the model's own weights (no rounding; the reference the others are checked against).
 
@@ -25,7 +28,8 @@ from pipeline.errors import ConfigError, problem
 from pipeline.models.base import TransformerConfig, causal_mask
 from pipeline.models.llama import Llama, rope_tables
 
-PRECISIONS = DECODE_PRECISIONS  # int8, bf16, fp32
+PRECISIONS = DECODE_PRECISIONS  # int8, int4, bf16, fp32
+INT4_GROUP = 32  # weights per int4 block, as Q4_0/Q4_1
 _FIRST_CAPACITY = 256  # cache positions allocated at first; doubled as needed up to context_length
 
 
@@ -36,13 +40,17 @@ def check_precision(precision: str, where: str = "precision") -> None:
 
 
 class PackedLinear:
-    """`x @ W.T` with W stored for `precision` (see the module docstring); no bias (llama has none)."""
+    """`x @ W.T` with W stored for `precision` (see the module docstring); no bias (llama has none).
+    `int4` needs in_features divisible by the group (32); other shapes fall back to int8 rows."""
 
     def __init__(self, weight: torch.Tensor, precision: str):
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.scale: torch.Tensor | None = None
-        if precision == "int8":
+        self.kind = "int8" if precision == "int4" and self.in_features % INT4_GROUP else precision
+        if self.kind == "int4":
+            self.weight, self.scale = _int4_blocks(w)
+        elif self.kind == "int8":
             scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(torch.bfloat16)
             self.weight = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale
@@ -51,6 +59,9 @@ class PackedLinear:
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, in fp32 (for tests and the embedding lookup)."""
+        if self.kind == "int4":  # the kernel itself, on the identity
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
+            return self(eye).float().T
         w = self.weight.float()
         return w if self.scale is None else w * self.scale.float()[:, None]
 
@@ -60,13 +71,31 @@ class PackedLinear:
         if x.device.type != "cpu":  # no int8 kernel everywhere: dequantize per call (still half the memory)
             return F.linear(x, self.weight.to(x.dtype)) * self.scale
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        if self.kind == "int4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP, self.scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
         return out.view(*x.shape[:-1], self.out_features)
 
     def to(self, device: torch.device) -> PackedLinear:
         self.weight = self.weight.to(device)
         self.scale = None if self.scale is None else self.scale.to(device)
         return self
+
+
+def _int4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1-style blocks of INT4_GROUP weights, w = q * d + m with q in 0..15 (d = (max - min)/15,
+    m = min), packed for `_weight_int4pack_mm_for_cpu`, which computes (q - 8) * d + (m + 8d) with
+    bf16 d and m + 8d: weights dequantized from Q4_1 land on the same grid again."""
+    n, k = w.shape
+    blocks = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = ((high - low) / 15).clamp(min=1e-12).to(torch.bfloat16).float()
+    zero = (low + 8 * d).to(torch.bfloat16).float()
+    q = torch.round((blocks - zero) / d + 8).clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([d.view(n, -1).T, zero.view(n, -1).T], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
 
 
 def effective_weight(module: nn.Module) -> torch.Tensor:
@@ -134,13 +163,19 @@ class PackedLlama(nn.Module):
         cfg = model.cfg
         self.cfg, self.precision = cfg, precision
         self.device = torch.device(device)
+        if precision == "int4" and self.device.type != "cpu":
+            found = f"device {self.device.type}"
+            raise ConfigError(
+                problem("precision=int4", "the CPU (its kernel is CPU-only)", found, "use precision=int8")
+            )
         self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         with torch.no_grad():
             self.layers = [PackedLayer(b, precision).to(self.device) for b in model.blocks]
             self.norm = model.norm.weight.detach().float().clone().to(self.device)
             table = model.embedding_table().detach()
-            self.table = PackedLinear(table, precision).to(self.device)
-            self.head = self.table if model.head is None else PackedLinear(effective_weight(model.head), precision)
+            rows = "int8" if precision == "int4" else precision  # the Q8_0 table of a GGUF: keep 8 bits
+            self.table = PackedLinear(table, rows).to(self.device)
+            self.head = self.table if model.head is None else PackedLinear(effective_weight(model.head), rows)
             self.head.to(self.device)
             cos, sin = rope_tables(cfg, cfg.context_length, self.device)
             self.rope = torch.complex(cos, sin)  # (context, head_dim/2): RoPE as a complex product
@@ -227,11 +262,11 @@ def quantize_linears(model: nn.Module) -> nn.Module:
 
 def for_decoding(model: nn.Module, precision: str, device: torch.device | str = "cpu") -> nn.Module:
     """The model to decode with: a llama packed for `precision` (`PackedLlama`); another
-    architecture as its own modules, in bf16/fp32 or with int8 linear layers."""
+    architecture as its own modules, in bf16/fp32 or with int8 linear layers (for int8 and int4)."""
     check_precision(precision)
     if isinstance(model, Llama):
         return PackedLlama(model, precision, device)
     model = model.to(device)
-    if precision == "int8":
+    if precision in ("int8", "int4"):
         return quantize_linears(model)
     return model.to(dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
