@@ -93,6 +93,17 @@ def test_int4_blocks_land_on_a_q4_1_grid_again(tiny: torch.nn.Module, tiny_q4: t
     assert 0 < err["bf16"] < err["int4"] < err["int8"]  # on a Q4_1 file int4 is the closer of the two
 
 
+def test_a_quantized_head_rescores_its_best_candidates_exactly(tiny: torch.nn.Module) -> None:
+    model = PackedLlama(tiny, "int8")
+    h = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    rough, exact = model.head(h).float(), h.float() @ model.head_rows.float().T
+    out = model._logits(h)
+    best = rough.topk(decode.RESCORED, dim=-1).indices
+    torch.testing.assert_close(out.gather(-1, best), exact.gather(-1, best), rtol=1e-6, atol=1e-6)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter(-1, best, False)
+    assert torch.equal(out[rest], rough[rest]) and not torch.equal(rough.gather(-1, best), exact.gather(-1, best))
+
+
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_greedy_ids_equal_the_fp32_module(tiny: torch.nn.Module, precision: str) -> None:
     """A prompt without near-ties in its 24 greedy steps (the smallest fp32 top-2 margin is 2% of the

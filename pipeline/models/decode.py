@@ -7,12 +7,14 @@ computed for the whole context, and the weights are stored as `precision` says:
 - `int8`: each weight row as int8 with one bf16 scale (symmetric, max |w| -> 127), multiplied by
   `torch.ops.aten._weight_int8pack_mm` on CPU (bf16 activations): half the bytes of bf16;
 - `int4` (CPU only): the block weights as 4-bit Q4_1-style blocks of 32 (`_int4_blocks`, through
-  `_weight_int4pack_mm_for_cpu`), the embedding/head as int8 rows: a quarter of bf16's bytes,
-  and near-exact for a Q4_0/Q4_1 GGUF (its weights are already on such a grid), lossy otherwise;
+  `_weight_int4pack_mm_for_cpu`), the head as int8 rows: a quarter of bf16's bytes, and
+  near-exact for a Q4_0/Q4_1 GGUF (its weights are already on such a grid), lossy otherwise;
 - `bf16`: bf16 weights and activations;
 - `fp32`: the model's own weights (no rounding; the reference the others are checked against).
 
-Norms, RoPE, the residual stream and attention stay fp32 in every mode (CPU attention in bf16 is
+A quantized head's best RESCORED candidates are recomputed from the bf16 rows (which the token
+lookup reads too), so its rounding cannot reorder the top of the distribution. Norms, RoPE, the
+residual stream and attention stay fp32 in every mode (CPU attention in bf16 is
 slower, and less exact); the KV cache is a fp32 buffer preallocated and written in place
 (`StaticKVCache`), grown by doubling, never by a cat per step.
 """
@@ -30,6 +32,7 @@ from pipeline.models.llama import Llama, rope_tables
 
 PRECISIONS = DECODE_PRECISIONS  # int8, int4, bf16, fp32
 INT4_GROUP = 32  # weights per int4 block, as Q4_0/Q4_1
+RESCORED = 64  # candidates of a quantized head recomputed exactly (generate's top_k is 40)
 _FIRST_CAPACITY = 256  # cache positions allocated at first; doubled as needed up to context_length
 
 
@@ -172,11 +175,10 @@ class PackedLlama(nn.Module):
         with torch.no_grad():
             self.layers = [PackedLayer(b, precision).to(self.device) for b in model.blocks]
             self.norm = model.norm.weight.detach().float().clone().to(self.device)
-            table = model.embedding_table().detach()
-            rows = "int8" if precision == "int4" else precision  # the Q8_0 table of a GGUF: keep 8 bits
-            self.table = PackedLinear(table, rows).to(self.device)
-            self.head = self.table if model.head is None else PackedLinear(effective_weight(model.head), rows)
-            self.head.to(self.device)
+            self.table = model.embedding_table().detach().to(self.device, self.dtype)  # looked up: stays exact
+            head = self.table if model.head is None else effective_weight(model.head).to(self.device, self.dtype)
+            self.head = PackedLinear(head, "int8" if precision == "int4" else precision).to(self.device)
+            self.head_rows = None if self.head.scale is None else head  # rescores the quantized head's best
             cos, sin = rope_tables(cfg, cfg.context_length, self.device)
             self.rope = torch.complex(cos, sin)  # (context, head_dim/2): RoPE as a complex product
 
@@ -184,10 +186,17 @@ class PackedLlama(nn.Module):
         return StaticKVCache(self.cfg, torch.float32, self.device)  # CPU attention in bf16 is slower
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(idx, self.table.weight).float()
-        if self.table.scale is None:
-            return rows
-        return rows * self.table.scale.float()[idx, None]
+        return F.embedding(idx, self.table).float()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head; a quantized one's RESCORED best candidates recomputed with the unquantized rows,
+        so its rounding cannot reorder the top of the distribution (what greedy and top-k see)."""
+        logits = self.head(h).float()
+        if self.head_rows is None:
+            return logits
+        best = logits.topk(min(RESCORED, logits.shape[-1]), dim=-1).indices
+        exact = torch.einsum("btd,btkd->btk", h.float(), F.embedding(best, self.head_rows).float())
+        return logits.scatter(-1, best, exact)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.norm_eps).to(self.dtype)
@@ -234,7 +243,7 @@ class PackedLlama(nn.Module):
             cache.length = start + t
         if last_only:
             x = x[:, -1:]
-        return self.head(self._norm(x, self.norm)).float()
+        return self._logits(self._norm(x, self.norm))
 
 
 class Int8Linear(nn.Module):
