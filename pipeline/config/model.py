@@ -63,7 +63,7 @@ class ModelConfig:
             f"set model.n_kv_head={self.n_head}",
         )
         check(
-            self.n_head % self.n_kv_head == 0,
+            self.arch == "vit" or self.n_head % self.n_kv_head == 0,  # vit has no kv groups (n_kv_head unused)
             "model.n_kv_head",
             f"a divisor of model.n_head={self.n_head}",
             self.n_kv_head,
