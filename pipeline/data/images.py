@@ -33,13 +33,6 @@ class ImageSet:
     sha256: str  # of what was read: identifies the data in the packed meta
 
 
-def digits_file() -> Path:
-    """scikit-learn's bundled digits file (what the inputs stage fingerprints)."""
-    import sklearn.datasets  # heavy: only when this source is asked for
-
-    return Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
-
-
 def read_digits(size: int) -> ImageSet:
     """scikit-learn's 8x8 digits (values 0..16), scaled to [0, 1] and resized to `size`."""
     from sklearn.datasets import load_digits  # heavy: only when this source is asked for
