@@ -183,7 +183,11 @@ def realize_vit(
         save_model_dir(
             tmp, model, realize={"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
         )
-    return {"parameters": float(count_parameters(model)), "classes": float(cfg.n_classes), "patches": cfg.n_patches}
+    return {
+        "parameters": float(count_parameters(model)),
+        "classes": float(cfg.n_classes),
+        "patches": float(cfg.n_patches),
+    }
 
 
 def realize_finetune(recipe: RecipeConfig, base: Path, packed_vocab: int, out_dir: Path) -> dict[str, float]:

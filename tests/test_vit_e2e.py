@@ -62,11 +62,11 @@ def test_evaluate_reproduces_train_and_plots_the_confusion(project: Path, exp_ru
 
 def test_mlflow_has_accuracy_and_the_confusion_figure(project: Path, exp_run: str) -> None:
     client, runs = mlflow_runs(project)
-    by_stage = {r.data.tags.get("stage", r.info.run_name.split("/")[-1]): r for r in runs}
     evaluate = next(r for r in runs if r.info.run_name.endswith("evaluate"))
     assert "confusion.png" in {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     train = next(r for r in runs if r.info.run_name.endswith("train"))
-    assert client.get_metric_history(train.info.run_id, "val_accuracy") and by_stage
+    accuracy = client.get_metric_history(train.info.run_id, "val_accuracy")
+    assert accuracy and all(0 <= m.value <= 1 for m in accuracy)
 
 
 def test_bad_images_stop_pack_with_one_named_line(project: Path, tmp_path: Path) -> None:
@@ -78,4 +78,6 @@ def test_bad_images_stop_pack_with_one_named_line(project: Path, tmp_path: Path)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"error: data.path={flat}: expected one sub-folder of images per class")
     proc = run(project, sys.executable, "-m", "stages.pack", "recipe=vit-tiny", "data.image_size=10")
-    assert proc.returncode == 2 and "config key data.image_size: expected a multiple of model.patch_size=4" in proc.stderr
+    assert (
+        proc.returncode == 2 and "config key data.image_size: expected a multiple of model.patch_size=4" in proc.stderr
+    )
