@@ -42,6 +42,7 @@ def test_every_stage_runs_and_the_text_only_ones_say_they_skip(exp_run: str) -> 
     assert ran(exp_run) == ["inputs", "pack", "donor", "teach", "realize", "train", "export", "evaluate", "report"]
     assert "pack: 18 images of 3 classes at 8px (train 14, val 4)" in exp_run
     assert "donor: skipped for image data (recipe=vit-tiny)" in exp_run
+    assert "teach: skipped for image data" in exp_run
     assert "llama.cpp parity skipped (text only)" in exp_run
 
 
