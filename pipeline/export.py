@@ -74,6 +74,17 @@ def run_ship_export(
     return metrics
 
 
+def run_image_export(train_dir: Path, out_dir: Path, dtype: str, keys: dict[str, Any]) -> dict[str, float]:
+    """An image classifier (the ViT recipe) as `model.gguf` of its own architecture: every hyper-parameter,
+    the class names and the pixel normalization as keys, `keys` (name, provenance) beside them. No
+    tokenizer, no llama.cpp name or card: neither applies to it."""
+    model = load_model_dir(train_dir)
+    with atomic_dir(out_dir) as tmp:
+        path = export_gguf(model, tmp / MODEL_GGUF, {}, keys, dtype)
+        metrics = {"file_bytes": float(path.stat().st_size), "tensors": float(count_tensors(path))}
+    return {**metrics, "parameters": float(sum(p.numel() for p in model.parameters()))}
+
+
 def _facts(train_dir: Path, named: str, plan: ExportPlan, adapters: bool) -> CardFacts:
     """The card's numbers: the train stage's record of the weights it kept."""
     state = read_train_state(train_dir)

@@ -28,6 +28,7 @@ from pipeline.finetune.base import build_finetune
 from pipeline.finetune.lora import load_lora_state_dict, lora_state_dict
 from pipeline.models.base import DecoderLM, TransformerConfig
 from pipeline.models.registry import build_model
+from pipeline.models.vit import ViTConfig
 from pipeline.records import field_problems
 
 CONFIG_FILE = "config.json"
@@ -175,9 +176,17 @@ def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor
             )
 
 
-def read_config(model_dir: Path) -> TransformerConfig:
-    """`config.json`, type- and range-checked, with the stage that writes it named on any fault."""
-    return TransformerConfig.load(Path(model_dir) / CONFIG_FILE, rerun(model_dir))
+def read_config(model_dir: Path) -> TransformerConfig | ViTConfig:
+    """`config.json`, type- and range-checked, with the stage that writes it named on any fault
+    (a ViT's config, `arch: vit`, has its own shape)."""
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None  # TransformerConfig.load names the fault
+    if isinstance(raw, dict) and raw.get("arch") == "vit":
+        return ViTConfig.from_dict(raw, str(path), rerun(model_dir))
+    return TransformerConfig.load(path, rerun(model_dir))
 
 
 def _write_json(path: Path, obj: Any, sort_keys: bool = False) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import iter_documents
+from pipeline.data.images import pack_images
 from pipeline.data.instruct_pack import pack_instruct
 from pipeline.data.packed import PackMeta
 from pipeline.data.text import pack
@@ -18,7 +19,10 @@ def run_pack(
     data: DataConfig, donor_path: Path, out_dir: Path, progress: bool = False
 ) -> tuple[PackMeta, dict[str, float]]:
     """Tokenize and write `out_dir` atomically (running text streams, see `pipeline.data.text`); returns
-    the meta and the stage metrics. `progress`: a bar with documents/s and tokens/s."""
+    the meta and the stage metrics. `progress`: a bar with documents/s and tokens/s. Images need no
+    tokenizer (`pipeline.data.images`)."""
+    if data.images:
+        return pack_images(data, out_dir)
     g = GGUFFile(donor_path)
     tok = tokenizer_from_gguf(g)
     if data.source == "instruct":

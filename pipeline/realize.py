@@ -34,6 +34,8 @@ from pipeline.models.base import TransformerConfig, count_parameters, init_weigh
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.models.registry import build_model
+from pipeline.models.vit import ViT, ViTConfig
+from pipeline.models.vit_gguf import f32
 from pipeline.training.validation import validation_loss
 from pipeline.transfer import Selection, fit_gain, subclone, transfer_report
 
@@ -123,6 +125,8 @@ def run_realize(
     """The realize stage: vocab from the packed data; a fine-tune's base, a subclone of the donor
     (its step-0 val loss at `seq_len`), or a new model initialised from the donor stage's PCA (and,
     for lens, the donor table); written to `out_dir` atomically."""
+    if mcfg.arch == "vit":
+        return realize_vit(recipe, mcfg, seed, packed_dir, out_dir)
     vocab = load_meta(packed_dir).vocab_size
     if recipe.finetune:
         return realize_finetune(recipe, donor, vocab, out_dir)
@@ -136,6 +140,54 @@ def run_realize(
             tmp, model, realize={"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
         )
     return {"parameters": float(count_parameters(model)), "vocab_size": float(vocab)}
+
+
+def realize_vit(
+    recipe: RecipeConfig, mcfg: ModelConfig, seed: int, packed_dir: Path, out_dir: Path
+) -> dict[str, float]:
+    """A ViT from scratch for the packed images (their size, channels, classes and normalization),
+    seeded init (`models.base.init_weights`); `model.n_classes` must be the data's class count."""
+    meta = load_meta(packed_dir)
+    stats = meta.stats or {}
+    if meta.format != "images":
+        raise ConfigError(
+            problem(str(packed_dir), "packed images for model.arch=vit", f"{meta.format} data", "use data=digits")
+        )
+    if mcfg.n_classes != meta.vocab_size:
+        raise ConfigError(
+            problem(
+                "config key model.n_classes",
+                f"{meta.vocab_size}, the classes in the data ({', '.join(stats.get('classes', []))[:80]})",
+                str(mcfg.n_classes),
+                f"set model.n_classes={meta.vocab_size}",
+            )
+        )
+    cfg = ViTConfig(
+        image_size=stats["image_size"],
+        patch_size=mcfg.patch_size,
+        channels=stats["channels"],
+        d_model=mcfg.d_model,
+        n_layer=mcfg.n_layer,
+        n_head=mcfg.n_head,
+        d_ff=mcfg.d_ff,
+        n_classes=mcfg.n_classes,
+        norm_eps=mcfg.norm_eps,
+        dropout=mcfg.dropout,
+        class_names=tuple(stats["classes"]),
+        pixel_mean=tuple(f32(x) for x in stats["mean"]),  # as the GGUF will hold them
+        pixel_std=tuple(f32(x) for x in stats["std"]),
+    ).check("config key model", "fix the model.* keys")
+    model = ViT(cfg)
+    init_weights(model, mcfg.init_std, seed)
+    with atomic_dir(out_dir) as tmp:
+        save_model_dir(
+            tmp, model, realize={"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
+        )
+    return {
+        "parameters": float(count_parameters(model)),
+        "classes": float(cfg.n_classes),
+        "patches": float(cfg.n_patches),
+    }
 
 
 def realize_finetune(recipe: RecipeConfig, base: Path, packed_vocab: int, out_dir: Path) -> dict[str, float]:

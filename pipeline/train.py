@@ -52,13 +52,14 @@ def run_train(
     distillation on, the teacher is the cache in `teach_dir` (cached) or the `donor` GGUF (online).
     """
     model = load_model_dir(init_dir)
-    vocab = load_meta(packed_dir).vocab_size
-    if vocab != model.cfg.vocab_size:
+    vocab = load_meta(packed_dir).vocab_size  # for images: the number of classes
+    key = "n_classes" if model.cfg.arch == "vit" else "vocab_size"
+    if vocab != getattr(model.cfg, key):
         raise ConfigError(
             problem(
                 str(Path(init_dir) / CONFIG_FILE),
-                f"vocab_size {vocab} (packed data)",
-                str(model.cfg.vocab_size),
+                f"{key} {vocab} (packed data)",
+                str(getattr(model.cfg, key)),
                 "re-run realize after pack",
             )
         )

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from pipeline.calibrate import run_calibration
 from pipeline.data.packed import load_meta
 from pipeline.donor import run_donor
-from pipeline.files import write_text
+from pipeline.files import atomic_dir, write_json, write_text
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
 
 log = logging.getLogger(__name__)
@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 def body(ctx: StageContext) -> dict[str, float]:
     meta = load_meta(ctx.paths.packed)
+    if meta.format == "images":
+        return skip_for_images(ctx)
     ctx.add_input("donor", ctx.donor)
     recipe, d_model = ctx.cfg.recipe, ctx.cfg.model.d_model
     if recipe.init == "subclone":
@@ -42,6 +44,15 @@ def body(ctx: StageContext) -> dict[str, float]:
     else:
         log.info(f"donor: no PCA for recipe.init={recipe.init}; the donor's vocabulary matches the packed data")
     return metrics
+
+
+def skip_for_images(ctx: StageContext) -> dict[str, float]:
+    """Image data (the ViT recipe) takes nothing from the donor: a record saying so, an empty plot."""
+    with atomic_dir(ctx.out_dir) as tmp:
+        write_json(tmp / "meta.json", {"skipped": "image data: the donor (a language model) is not used"})
+    write_plot(ctx, np.zeros(0))
+    log.info(f"donor: skipped for image data (recipe={ctx.cfg.recipe.name}): no donor PCA or calibration")
+    return {"components": 0.0}
 
 
 def write_plot(ctx: StageContext, ratios: np.ndarray) -> None:

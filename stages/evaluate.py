@@ -6,19 +6,29 @@ import json
 import logging
 
 import hydra
+import numpy as np
+from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
+from pipeline.data.packed import load_meta
 from pipeline.evaluate import run_evaluate
-from pipeline.files import atomic_dir
+from pipeline.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
+from pipeline.files import atomic_dir, write_text
 from pipeline.lineage import check_packed
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
 
 log = logging.getLogger(__name__)
 
 
+CONFUSION_PLOT = "confusion.csv"  # plots/evaluate/: DVC's confusion plot (a header alone for text data)
+
+
 def body(ctx: StageContext) -> dict[str, float]:
     gguf_path = ctx.paths.export / "model.gguf"
     ctx.add_input("gguf", gguf_path)
+    if load_meta(ctx.paths.packed).format == "images":
+        return images_body(ctx, gguf_path)
+    write_text(ctx.plots_dir / CONFUSION_PLOT, CONFUSION_HEADER + "\n")
     metrics, samples = run_evaluate(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg, ctx.donor, ctx.paths.teach)
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
@@ -36,6 +46,42 @@ def body(ctx: StageContext) -> dict[str, float]:
     for s in samples:
         log.info(f"  {s['prompt']!r} -> {s.get('greedy', s.get('tuned'))!r}")
     return metrics
+
+
+def images_body(ctx: StageContext, gguf_path) -> dict[str, float]:
+    """Image classification: val loss and accuracy of the export, the confusion matrix as a DVC plot,
+    JSON and an MLflow figure; text-only parts (samples, donor gap, llama.cpp parity) do not apply."""
+    metrics, confusion = run_evaluate_images(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg)
+    with atomic_dir(ctx.out_dir) as tmp:
+        (tmp / "confusion.json").write_text(json.dumps(confusion.record(), indent=2) + "\n")
+    ctx.artifact(ctx.out_dir / "confusion.json")
+    ctx.artifact(write_text(ctx.plots_dir / CONFUSION_PLOT, confusion.csv()))
+    if ctx.run is not None:
+        ctx.run.log_figure(confusion_figure(confusion), "confusion.png")
+    log.info(
+        f"evaluate: val accuracy {metrics['val_accuracy']:.4f}, val loss {metrics['val_loss']:.4f} over "
+        f"{int(metrics['val_images'])} images from {gguf_path}"
+    )
+    log.info("evaluate: image data: samples, donor gap and llama.cpp parity skipped (text only)")
+    return metrics
+
+
+def confusion_figure(confusion: Confusion) -> Figure:
+    """The confusion matrix as a labelled heat map (counts in the cells)."""
+    counts = confusion.matrix()
+    fig = Figure(figsize=(5, 4.5), dpi=100)
+    ax = fig.add_subplot()
+    ax.imshow(counts, cmap="Blues")
+    ticks = range(len(confusion.classes))
+    ax.set(xticks=ticks, yticks=ticks, xticklabels=confusion.classes, yticklabels=confusion.classes)
+    ax.set(xlabel="predicted", ylabel="actual", title="val confusion matrix")
+    for (i, j), n in np.ndenumerate(counts):
+        if n:
+            ax.text(
+                j, i, str(n), ha="center", va="center", fontsize=7, color="white" if n > counts.max() / 2 else "black"
+            )
+    fig.tight_layout()
+    return fig
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)

@@ -8,8 +8,8 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.export import CARD, ExportPlan, run_ship_export
-from pipeline.modeldir import read_train_state, weight_files
+from pipeline.export import CARD, MODEL_GGUF, ExportPlan, run_image_export, run_ship_export
+from pipeline.modeldir import model_config, read_train_state, weight_files
 from pipeline.ship import ShipInfo, data_label
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, entry, run_stage
 
@@ -30,6 +30,8 @@ def body(ctx: StageContext) -> dict[str, float]:
     }
     if state is not None and state.kept_step is not None:
         provenance["pipeline.kept_step"] = state.kept_step
+    if model_config(train_dir).arch == "vit":
+        return image_export(ctx, provenance)
     ship = ShipInfo(
         recipe=cfg.recipe.name,
         data=data_label(cfg.data.source, cfg.data.path),
@@ -47,6 +49,19 @@ def body(ctx: StageContext) -> dict[str, float]:
     if state is not None and state.kept_step is not None:
         log.info(f"export: the weights of step {state.kept_step} of {state.steps} (val loss {state.val_loss:.4f})")
         metrics["kept_step"] = float(state.kept_step)
+    return metrics
+
+
+def image_export(ctx: StageContext, provenance: dict) -> dict[str, float]:
+    """The ViT recipe: a GGUF of architecture vit (no donor tokenizer, card or llama.cpp name)."""
+    cfg = ctx.cfg
+    provenance.pop("pipeline.donor")
+    keys = {"general.name": f"{cfg.recipe.name}-{cfg.data.source}", "general.basename": cfg.recipe.name, **provenance}
+    metrics = run_image_export(ctx.paths.train, ctx.out_dir, cfg.export.dtype, keys)
+    log.info(
+        f"export: vit GGUF {metrics['file_bytes'] / 1e6:.2f} MB, {int(metrics['parameters'])} parameters "
+        f"({cfg.export.dtype}) -> {ctx.out_dir / MODEL_GGUF}; no tokenizer, model card or llama.cpp name (image model)"
+    )
     return metrics
 
 

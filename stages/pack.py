@@ -19,6 +19,13 @@ def body(ctx: StageContext) -> dict[str, float]:
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")
+    if meta.format == "images":
+        stats = meta.stats or {}
+        log.info(
+            f"pack: {int(metrics['images'])} images of {meta.vocab_size} classes at {stats.get('image_size')}px "
+            f"(train {meta.documents['train']}, val {meta.documents['val']}) -> {ctx.out_dir}"
+        )
+        return metrics
     kind = "examples" if meta.format == "instruct" else "documents"
     log.info(
         f"pack: {sum(meta.documents.values())} {kind}, {int(metrics['tokens'])} tokens "

@@ -39,6 +39,13 @@ def body(ctx: StageContext) -> dict[str, float]:
             f"residual variance kept {metrics['residual_variance_kept']:.3f}, val loss before training "
             f"{metrics['step0_val_loss']:.4f} at seq_len {cfg.train.seq_len} -> {ctx.out_dir}"
         )
+    elif cfg.model.arch == "vit":
+        m = cfg.model
+        log.info(
+            f"realize: ViT of {m.n_layer} blocks x {m.d_model}, {int(metrics['patches'])} patches of "
+            f"{m.patch_size}x{m.patch_size} px, {int(metrics['classes'])} classes, {int(metrics['parameters'])} "
+            f"parameters -> {ctx.out_dir}"
+        )
     else:
         log.info(f"realize: init={cfg.recipe.init}, {int(metrics['parameters'])} parameters -> {ctx.out_dir}")
     return metrics

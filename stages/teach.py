@@ -8,6 +8,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.data.packed import load_meta
 from pipeline.inputs import DONOR_RECORD, read_record
 from pipeline.teach import run_teach
 from pipeline.training.runtime import pick_device
@@ -28,7 +29,9 @@ def body(ctx: StageContext) -> dict[str, float]:
     if ctx.run is not None:
         ctx.run.set_tags({"teach.mode": meta.mode, "teach.donor_sha256": meta.donor_sha256[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")
-    if meta.mode == "off":
+    if meta.mode == "off" and load_meta(ctx.paths.packed).format == "images":
+        log.info("teach: skipped for image data (no donor, no distillation): only the record is written")
+    elif meta.mode == "off":
         log.info("teach: distillation is off (train.distill.weight=0): nothing cached")
     elif meta.cached:
         log.info(

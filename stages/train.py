@@ -65,9 +65,11 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     if not is_main_process():
         return {}
     write_plots(ctx, result)
+    accuracy = result.history[-1].get("val_accuracy") if result.history else None
     log.info(
         f"train: {result.steps} steps in {result.seconds:.0f}s, final val loss {result.final_val_loss:.4f} "
-        f"(ppl {result.final_val_ppl:.2f}) -> {ctx.out_dir}"
+        + (f"(accuracy {accuracy:.4f})" if accuracy is not None else f"(ppl {result.final_val_ppl:.2f})")
+        + f" -> {ctx.out_dir}"
     )
     if result.kept_step != result.steps:
         log.info(
@@ -80,10 +82,13 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
 # plots/train/<file>.tsv: its columns, taken from the history rows that have the first one after `step`
 PLOT_COLUMNS = {
     "train_loss": ("train_loss",),
-    "val_loss": ("val_loss", "val_ppl", "val_bpb"),
+    "val_loss": ("val_loss", "val_ppl", "val_bpb", "val_accuracy"),
     "optim": ("lr", "grad_norm", "tokens_per_second"),
     "epochs": ("epoch_train_ppl", "epoch_val_ppl"),  # fine-tunes (epochs over rows); a header alone otherwise
 }
+
+
+OPTIONAL_COLUMNS = ("val_accuracy",)
 
 
 def write_plots(ctx: StageContext, result: TrainResult) -> None:
@@ -95,7 +100,9 @@ def write_plots(ctx: StageContext, result: TrainResult) -> None:
 
 
 def plot_table(history: list[dict[str, float]], columns: tuple[str, ...]) -> str:
-    """A TSV of `step` and `columns` over the history rows that have `columns[0]` (an absent value: empty)."""
+    """A TSV of `step` and `columns` over the history rows that have `columns[0]` (an absent value: empty);
+    an optional column (val_accuracy: image recipes) only where some row has it."""
+    columns = tuple(c for c in columns if c not in OPTIONAL_COLUMNS or any(c in h for h in history))
     lines = ["\t".join(("step", *columns))]
     for h in (h for h in history if columns[0] in h):
         lines.append("\t".join([str(int(h["step"]))] + [f"{h[c]:.8g}" if c in h else "" for c in columns]))
@@ -124,6 +131,9 @@ def metrics(result: TrainResult, bits_per_token: float | None = None) -> dict[st
         log.info(f"train: held-out response loss {result.initial_val_loss:.4f} before -> {result.final_val_loss:.4f}")
     last = result.history[-1] if result.history else {}
     extra.update({f"final_{k}": last[k] for k in ("train_ce", "train_kd") if k in last})  # distillation's parts
+    if "val_accuracy" in last:  # image recipes: the accuracy of the last and of the kept weights
+        kept = next(h for h in result.history if h["step"] == result.kept_step and "val_accuracy" in h)
+        extra.update(final_val_accuracy=last["val_accuracy"], kept_val_accuracy=kept["val_accuracy"])
     tps = [h["tokens_per_second"] for h in result.history[1:]] or [0.0]
     return {
         **extra,

@@ -88,6 +88,9 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         choice(self.output, "output", ("text", "quiet", "json"))
+        if self.model.arch == "vit" or self.data.images:
+            self._check_images()
+            return
         if self.recipe.finetune:  # the base GGUF fixes the context length; train checks against it
             return
         length_key = "data.max_seq_len" if self.data.source == "instruct" else "train.seq_len"
@@ -98,4 +101,40 @@ class PipelineConfig:
             f"at most model.context_length={self.model.context_length}",
             length,
             f"lower {length_key} or raise model.context_length",
+        )
+
+    def _check_images(self) -> None:
+        """The ViT recipe: image data, a from-scratch model, patches that tile the image."""
+        check(
+            self.data.images,
+            "data.source",
+            "digits or images for model.arch=vit",
+            self.data.source,
+            "use data=digits or data=images data.path=dir/ (recipe=vit-tiny sets them)",
+        )
+        check(
+            self.model.arch == "vit",
+            "model.arch",
+            f"vit for image data (data.source={self.data.source})",
+            self.model.arch,
+            "use model=vit-tiny (recipe=vit-tiny sets it)",
+        )
+        check(
+            self.recipe.init == "scratch",
+            "recipe.init",
+            "scratch for model.arch=vit",
+            self.recipe.init,
+            "use recipe=vit-tiny",
+        )
+        patch = self.model.patch_size
+        check(
+            self.data.image_size % patch == 0,
+            "data.image_size",
+            f"a multiple of model.patch_size={patch}",
+            self.data.image_size,
+            f"set data.image_size={max(1, round(self.data.image_size / patch)) * patch} or a model.patch_size "
+            "that divides it",
+        )
+        check(
+            self.train.distill.weight == 0, "train.distill.weight", "0 for images", self.train.distill.weight, "set 0"
         )

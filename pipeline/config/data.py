@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from pipeline.config.checks import check, choice, integer, positive
 
-SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct")
+SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct", "digits", "images")
+IMAGE_SOURCES = ("digits", "images")  # labelled images (the ViT recipe), not text
 TEMPLATES = ("auto", "chat", "plain")
 
 
@@ -37,11 +38,14 @@ class DataConfig:
     pack: bool = True  # several examples per row, attention kept inside each
     all_turns: bool = False  # learn every assistant turn of a conversation, not only the last
     max_chars: int = 600  # pydoc Q/A set: answer length cap (whole paragraphs)
+    # images only (digits: scikit-learn's bundled 8x8 digits; images: class sub-folders under `path`):
+    image_size: int = 16  # pixels per side after resizing
+    channels: int = 1  # 1 (grey) | 3 (RGB); digits are grey
 
     def __post_init__(self) -> None:
         choice(self.source, "data.source", SOURCES)
         check(
-            self.source in ("pydoc", "instruct") or bool(self.path),
+            self.source in ("pydoc", "instruct", "digits") or bool(self.path),
             "data.path",
             f"a file or directory for data.source={self.source}",
             self.path,
@@ -56,6 +60,20 @@ class DataConfig:
         )
         choice(self.add_bos, "data.add_bos", ("auto", "true", "false"))
         self._check_instruct_keys()
+        integer(self.image_size, "data.image_size", 1, "set data.image_size=16")
+        check(self.channels in (1, 3), "data.channels", "1 (grey) or 3 (RGB)", self.channels, "set data.channels=1")
+        check(
+            self.source != "digits" or self.channels == 1,
+            "data.channels",
+            "1 for data.source=digits (grey images)",
+            self.channels,
+            "set data.channels=1",
+        )
+
+    @property
+    def images(self) -> bool:
+        """Labelled images (digits, images) rather than text."""
+        return self.source in IMAGE_SOURCES
 
     def _check_instruct_keys(self) -> None:
         integer(self.max_seq_len, "data.max_seq_len", 2, "set 512")

@@ -19,8 +19,10 @@ class ModelConfig:
     """Model hyper-parameters; the realized architecture (`models.base.TransformerConfig`) adds the
     vocabulary (from the tokenizer) and what the recipe derives (donor width, RoPE factors).
 
-    `arch` is llama or gpt2; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE
-    (rope_theta is ignored).
+    `arch` is llama, gpt2 or vit; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE
+    (rope_theta is ignored). vit (image classification, `pipeline.models.vit`) reads d_model, n_layer,
+    n_head, d_ff (the MLP width), norm_eps, init_std and the three keys below; the image size and
+    channels come from the packed images (data.image_size, data.channels), like a vocabulary from a tokenizer.
     """
 
     arch: str = "llama"
@@ -34,9 +36,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # vit only:
+    patch_size: int = 4  # pixels per patch side; data.image_size must be a multiple
+    n_classes: int = 10  # must equal the number of classes in the data
+    dropout: float = 0.0  # after the embeddings, attention output and MLP (training only)
 
     def __post_init__(self) -> None:
         choice(self.arch, "model.arch", ARCHITECTURES)
+        integer(self.patch_size, "model.patch_size", 1, "set model.patch_size=4")
+        integer(self.n_classes, "model.n_classes", 2, "set model.n_classes to the number of classes in the data")
+        check(0.0 <= self.dropout < 1.0, "model.dropout", "in [0, 1)", self.dropout, "set model.dropout=0")
         for key in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"):
             positive(getattr(self, key), f"model.{key}")
         check(
@@ -54,7 +63,7 @@ class ModelConfig:
             f"set model.n_kv_head={self.n_head}",
         )
         check(
-            self.n_head % self.n_kv_head == 0,
+            self.arch == "vit" or self.n_head % self.n_kv_head == 0,  # vit has no kv groups (n_kv_head unused)
             "model.n_kv_head",
             f"a divisor of model.n_head={self.n_head}",
             self.n_kv_head,

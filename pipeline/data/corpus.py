@@ -80,6 +80,12 @@ def source_files(cfg: DataConfig) -> tuple[Path | None, list[Path]]:
     if not cfg.path and cfg.source in ("pydoc", "instruct"):
         spec = importlib.util.find_spec("pydoc_data.topics")
         return None, [Path(spec.origin)] if spec and spec.origin else []
+    if cfg.source == "digits":  # scikit-learn's bundled file, found without importing scikit-learn
+        spec = importlib.util.find_spec("sklearn.datasets")
+        return None, [Path(spec.origin).parent / "data" / "digits.csv.gz"] if spec and spec.origin else []
+    if cfg.source == "images":
+        root = _existing(cfg.path, "directory")
+        return root, sorted(p for p in root.glob("*/*") if p.is_file() and not p.name.startswith("."))
     if cfg.source == "dir":
         root = _existing(cfg.path, "directory")
         return root, sorted(p for p in root.glob(cfg.glob) if p.is_file())

@@ -4,7 +4,11 @@
 - running text: `train.bin` / `val.bin`, raw little-endian uint16 ids when the vocab fits, else
   uint32, read back as read-only memmaps (the corpus is never loaded into RAM); or
 - instruction rows (`format: instruct`): `train.npz` / `val.npz` with `input_ids`, `labels`
-  (-100 = no loss) and `segment_ids` (1.. per packed example, 0 = padding), plus stats.
+  (-100 = no loss) and `segment_ids` (1.. per packed example, 0 = padding), plus stats; or
+- labelled images (`format: images`, the ViT recipe): `{split}.pixels` (raw little-endian float32,
+  (N, channels, size, size), normalized) and `{split}.labels` (int64), read back as memmaps;
+  `vocab_size` is the number of classes, `documents` and `tokens` count images, and `stats` holds
+  the class names, image size, channels and the normalization (mean, std).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class PackMeta:
     documents: dict[str, int]
     tokens: dict[str, int]
     distinct_tokens: int
-    format: str = "tokens"  # tokens (train.bin/val.bin) | instruct (train.npz/val.npz rows)
+    format: str = "tokens"  # tokens (train.bin/val.bin) | instruct (train.npz/val.npz rows) | images
     seq_len: int = 0  # instruct: row length
     stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
     data: dict | None = None  # the data config it was packed with: what later stages check theirs against
@@ -48,6 +52,14 @@ class PackMeta:
         unit that compares models with different tokenizers. None where pack counted no bytes (instruct rows)."""
         counted = (self.bytes or {}).get(split)
         return self.tokens[split] / counted / math.log(2) if counted else None
+
+
+@dataclass
+class Images:
+    """Labelled images: normalized pixels (N, C, H, W) float32 and class ids (N,) int64, memmapped."""
+
+    pixels: np.ndarray
+    labels: np.ndarray
 
 
 @dataclass
@@ -137,7 +149,7 @@ def _meta_problem(m: PackMeta) -> str | None:
     """What is wrong with a meta's values (types and ranges later stages rely on), or None."""
     if not _count(m.vocab_size) or m.vocab_size == 0:
         return f"vocab_size {m.vocab_size!r}"
-    if m.dtype not in ("uint16", "uint32", "int64") or m.format not in ("tokens", "instruct"):
+    if m.dtype not in ("uint16", "uint32", "int64", "float32") or m.format not in ("tokens", "instruct", "images"):
         return f"dtype {m.dtype!r}, format {m.format!r}"
     for name, counts in (("tokens", m.tokens), ("documents", m.documents)):
         if not isinstance(counts, dict) or not all(_count(counts.get(s)) for s in SPLITS):
@@ -152,15 +164,44 @@ def _meta_problem(m: PackMeta) -> str | None:
 
 
 def data_files(packed_dir: Path) -> list[Path]:
-    """The files that identify the packed data (for checkpoint compatibility)."""
-    ext = "npz" if load_meta(packed_dir).format == "instruct" else "bin"
+    """The files that identify the packed data (for checkpoint compatibility): meta, train, val (, labels)."""
+    fmt = load_meta(packed_dir).format
+    if fmt == "images":
+        names = (META_FILE, "train.pixels", "val.pixels", "train.labels", "val.labels")
+        return [Path(packed_dir) / n for n in names]
+    ext = "npz" if fmt == "instruct" else "bin"
     return [Path(packed_dir) / n for n in (META_FILE, f"train.{ext}", f"val.{ext}")]
 
 
-def load_data(packed_dir: Path, split: str) -> np.memmap | Packed:
-    """One split as the training loop takes it: token ids, or instruct rows."""
-    if load_meta(packed_dir).format == "instruct":
+def write_images(out_dir: Path, split: str, pixels: np.ndarray, labels: np.ndarray) -> None:
+    """One split of labelled images as raw little-endian `{split}.pixels` (float32) and `{split}.labels` (int64)."""
+    np.ascontiguousarray(pixels, dtype="<f4").tofile(Path(out_dir) / f"{split}.pixels")
+    np.ascontiguousarray(labels, dtype="<i8").tofile(Path(out_dir) / f"{split}.labels")
+
+
+def load_images(packed_dir: Path, split: str) -> Images:
+    """One split of labelled images as read-only memmaps, sizes checked against meta.json."""
+    meta = load_meta(packed_dir)
+    stats = meta.stats or {}
+    n, c, size = meta.documents[split], stats.get("channels", 0), stats.get("image_size", 0)
+    arrays = []
+    for ext, dtype, shape in (("pixels", "<f4", (n, c, size, size)), ("labels", "<i8", (n,))):
+        path = Path(packed_dir) / f"{split}.{ext}"
+        expected = int(np.prod(shape)) * 4 * (1 if ext == "pixels" else 2)
+        if not path.is_file() or path.stat().st_size != expected:
+            found = path.stat().st_size if path.is_file() else "no file"
+            raise DataError(problem(str(path), f"{expected} bytes per meta.json", f"{found}", REPACK))
+        arrays.append(np.memmap(path, dtype=np.dtype(dtype), mode="r", shape=shape))
+    return Images(*arrays)
+
+
+def load_data(packed_dir: Path, split: str) -> np.memmap | Packed | Images:
+    """One split as the training loop takes it: token ids, instruct rows, or labelled images."""
+    fmt = load_meta(packed_dir).format
+    if fmt == "instruct":
         return load_rows(Path(packed_dir) / f"{split}.npz")
+    if fmt == "images":
+        return load_images(packed_dir, split)
     return load_split(packed_dir, split)
 
 
@@ -187,3 +228,13 @@ def load_split(packed_dir: Path, split: str) -> np.memmap:
 def is_rows(data: object) -> bool:
     """Instruct data (packed rows with labels and segments) rather than a token stream."""
     return isinstance(data, Packed)
+
+
+def is_images(data: object) -> bool:
+    """Labelled images (the ViT recipe) rather than tokens."""
+    return isinstance(data, Images)
+
+
+def n_items(data: object) -> int:
+    """Rows of instruct data or images of an image split: what an epoch visits once."""
+    return len(data.labels) if isinstance(data, Images) else len(data.input_ids)

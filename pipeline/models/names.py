@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "gpt2")
+ARCHITECTURES = ("llama", "gpt2", "vit")  # vit: image classification (pipeline.models.vit)
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,17 @@ LLAMA_INPUT_TENSORS = {"tok_embd.weight": TOKEN_EMBD}
 LLAMA_OUTPUT_TENSORS = {"norm.weight": "output_norm.weight"}
 GPT2_INPUT_TENSORS = {"tok_embd.weight": TOKEN_EMBD, "pos_embd.weight": "position_embd.weight"}
 GPT2_OUTPUT_TENSORS = {"norm.weight": "output_norm.weight", "norm.bias": "output_norm.bias"}
+
+# vit: the encoder blocks use gpt2's module paths and GGUF names (GPT2_BLOCK_TENSORS); around them
+VIT_INPUT_TENSORS = {
+    "patch_embd.proj.weight": "patch_embd.weight",
+    "patch_embd.proj.bias": "patch_embd.bias",
+    "cls_token": "cls_token",
+    "pos_embd": "position_embd",
+}
+VIT_OUTPUT_TENSORS = {
+    "norm.weight": "output_norm.weight",
+    "norm.bias": "output_norm.bias",
+    "head.weight": "output.weight",
+    "head.bias": "output.bias",
+}

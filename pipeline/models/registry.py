@@ -19,6 +19,8 @@ from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, load_llama
 from pipeline.models.names import ARCHITECTURES
+from pipeline.models.vit import ViT
+from pipeline.models.vit_gguf import export_vit, load_vit
 
 SUPPORTED = ARCHITECTURES
 
@@ -33,6 +35,7 @@ class Architecture:
 REGISTRY: dict[str, Architecture] = {
     "llama": Architecture(Llama, export_llama, lambda g: load_llama(g)[0]),
     "gpt2": Architecture(GPT2, export_gpt2, load_gpt2),
+    "vit": Architecture(ViT, export_vit, load_vit),  # image classification: no tokenizer, no llama.cpp
 }
 
 

@@ -19,7 +19,16 @@ from pipeline.report.outputs import STAGES, Outputs
 from pipeline.report.runs import COMPARED_METRICS, Compared, producing_run, seconds, started
 from pipeline.tracking import RunRecord
 
-HEADLINE = ("val_loss", "val_ppl", "val_bpb", "donor_val_loss", "donor_val_bpb", "gap_to_donor", "base_val_loss")
+HEADLINE = (
+    "val_accuracy",
+    "val_loss",
+    "val_ppl",
+    "val_bpb",
+    "donor_val_loss",
+    "donor_val_bpb",
+    "gap_to_donor",
+    "base_val_loss",
+)
 
 
 @dataclass
@@ -79,7 +88,7 @@ def training(out: Outputs) -> Section | None:
         ]
         tables.append(Table(["epoch", "step", "train ppl", "val ppl"], rows))
     if val:
-        cols = [c for c in ("val_loss", "val_ppl", "val_bpb") if any(c in r for r in val)]
+        cols = [c for c in ("val_loss", "val_ppl", "val_bpb", "val_accuracy") if any(c in r for r in val)]
         tables.append(Table(["step", *cols], [[fmt(r.get("step")), *(fmt(r.get(c)) for c in cols)] for r in val]))
     return Section("Training", [], tables, figs)
 

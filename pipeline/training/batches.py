@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.data.packed import Packed, is_rows
+from pipeline.data.packed import Images, Packed, is_images, is_rows, n_items
 from pipeline.data.teacher import TeacherCache
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.models.losses import narrow_targets
@@ -73,22 +73,23 @@ class RowSampler:
     """Batches of packed rows (x, labels, segment_ids), epoch by epoch: each epoch visits every row
     once in a fresh seeded order; a batch may straddle two epochs."""
 
-    def __init__(self, packed: Packed, batch_size: int, seed: int):
+    def __init__(self, packed: Packed | Images, batch_size: int, seed: int):
         self.packed, self.batch_size = packed, batch_size
         self.rng = np.random.default_rng(seed)
-        self.order = self.rng.permutation(len(packed.input_ids))
+        self.order = self.rng.permutation(n_items(packed))
         self.drawn = 0  # rows handed out so far, over all epochs
 
     @property
     def rows(self) -> int:
-        return len(self.packed.input_ids)
+        return n_items(self.packed)
 
     @property
     def epoch(self) -> float:
         """Epochs completed so far (fractional)."""
         return self.drawn / self.rows
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def picks(self) -> list[int]:
+        """The next batch's row indices, in the epoch's seeded order."""
         picks = []
         for _ in range(self.batch_size):
             at = self.drawn % self.rows
@@ -96,6 +97,10 @@ class RowSampler:
                 self.order = self.rng.permutation(self.rows)
             picks.append(int(self.order[at]))
             self.drawn += 1
+        return picks
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        picks = self.picks()
         p = self.packed
         return (
             torch.from_numpy(p.input_ids[picks]),
@@ -112,11 +117,21 @@ class RowSampler:
         self.drawn = int(state["drawn"])
 
 
+class ImageSampler(RowSampler):
+    """Batches of labelled images (pixels, labels), epoch by epoch as `RowSampler`'s rows."""
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        picks = self.picks()
+        return torch.from_numpy(self.packed.pixels[picks]), torch.from_numpy(self.packed.labels[picks])
+
+
 def make_sampler(
-    data: np.ndarray | Packed, tcfg: TrainConfig, seed: int, teacher: object = None
+    data: np.ndarray | Packed | Images, tcfg: TrainConfig, seed: int, teacher: object = None
 ) -> BatchSampler | DistillSampler | RowSampler:
     """Seeded batches: random windows of a token stream (with their cached donor targets when
-    `teacher` is a TeacherCache), or epochs over packed rows."""
+    `teacher` is a TeacherCache), epochs over packed rows, or epochs over labelled images."""
+    if is_images(data):
+        return ImageSampler(data, tcfg.batch_size, seed)
     if is_rows(data):
         return RowSampler(data, tcfg.batch_size, seed)
     windows = BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
@@ -124,7 +139,10 @@ def make_sampler(
 
 
 def sequence_length(data: np.ndarray | Packed, tcfg: TrainConfig) -> int:
-    """Positions per training row: train.seq_len for token streams, the packed row length for rows."""
+    """Positions per training row: train.seq_len for token streams, the packed row length for rows,
+    1 for images (the loop's tokens per second are then images per second)."""
+    if is_images(data):
+        return 1
     return int(data.input_ids.shape[1]) if is_rows(data) else tcfg.seq_len
 
 
@@ -152,6 +170,9 @@ def check_split_fits(n_tokens: int, split: str, batch_size: int, seq_len: int) -
 
 def check_batches(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainConfig, optim: OptimConfig) -> None:
     """Everything about the batch shape and options that the data, model or job cannot serve."""
+    if is_images(train_data):
+        _check_images(model, train_data, tcfg)
+        return
     length = sequence_length(train_data, tcfg)
     key = "data.max_seq_len" if is_rows(train_data) else "train.seq_len"
     if length > model.cfg.context_length:
@@ -185,11 +206,38 @@ def check_batches(model: nn.Module, train_data: Any, val_data: Any, tcfg: TrainC
         )
 
 
+def _check_images(model: nn.Module, train_data: Images, tcfg: TrainConfig) -> None:
+    """Images of the model's shape, and a batch the train split can fill without repeating an image."""
+    want = (model.cfg.channels, model.cfg.image_size, model.cfg.image_size)
+    if tuple(train_data.pixels.shape[1:]) != want:
+        raise ConfigError(
+            problem(
+                "packed images (data/packed)",
+                f"(channels, height, width) = {want}, the model's",
+                str(tuple(train_data.pixels.shape[1:])),
+                "re-run realize after pack: dvc repro realize",
+            )
+        )
+    if n_items(train_data) < tcfg.batch_size:
+        raise ConfigError(
+            problem(
+                "config key train.batch_size",
+                f"at most the {n_items(train_data)} train images",
+                str(tcfg.batch_size),
+                "lower train.batch_size, or add images",
+            )
+        )
+    info = dist.env_info()
+    dist.check_batch_divides(tcfg.batch_size, info)
+    if info.is_main:
+        warn_overfitting(train_data, tcfg)
+
+
 def epochs_planned(train_data: Any, tcfg: TrainConfig) -> float:
-    """How many times `train.steps` batches pass over the train split (rows, or tokens of windows)."""
+    """How many times `train.steps` batches pass over the train split (rows or images, or tokens of windows)."""
     per_step = tcfg.batch_size * tcfg.grad_accum
-    if is_rows(train_data):
-        return tcfg.steps * per_step / max(len(train_data.input_ids), 1)
+    if is_rows(train_data) or is_images(train_data):
+        return tcfg.steps * per_step / max(n_items(train_data), 1)
     return tcfg.steps * per_step * tcfg.seq_len / max(len(train_data), 1)
 
 

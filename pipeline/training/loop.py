@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.data.packed import Packed, is_rows
+from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher import TeacherCache
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
@@ -41,7 +41,7 @@ from pipeline.training.runtime import (
     stop_on_signals,
 )
 from pipeline.training.session import Session
-from pipeline.training.validation import validation_loss
+from pipeline.training.validation import validation_metrics
 
 LogFn = Callable[[dict[str, float], int], None]
 log = logging.getLogger(__name__)
@@ -88,8 +88,8 @@ class TrainResult:
 
 def train(
     model: nn.Module,
-    train_data: np.ndarray | Packed,
-    val_data: np.ndarray | Packed,
+    train_data: np.ndarray | Packed | Images,
+    val_data: np.ndarray | Packed | Images,
     tcfg: TrainConfig,
     optim: OptimConfig,
     seed: int,
@@ -100,17 +100,19 @@ def train(
 ) -> tuple[TrainResult, torch.optim.Optimizer]:
     """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
 
-    The data are token streams (random windows of train.seq_len) or packed instruct rows (epochs
+    The data are token streams (random windows of train.seq_len), packed instruct rows (epochs
     over the rows, response-only loss, segment-masked attention, an extra validation at step 0 and
-    at the end of every epoch). With a `plan`, checkpoints every `train.checkpoint_every` steps
-    and at the end, and continues from `plan.resume` if set. With `train.distill.weight` > 0,
+    at the end of every epoch) or labelled images (epochs over the images, cross-entropy of the
+    class logits, validation also at the end of every epoch, with val_accuracy beside val_loss).
+    With a `plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
+    from `plan.resume` if set. With `train.distill.weight` > 0,
     `teacher` is the donor's cached targets of `train_data` (cached mode) or the donor (online).
     """
     check_batches(model, train_data, val_data, tcfg, optim)
     check_distill(train_data, tcfg, teacher)
     run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher)
-    if run.rows and run.state.initial_val_loss is None:  # the base model's held-out loss, before any step
-        run.state.initial_val_loss = run.validate()
+    if is_rows(train_data) and run.state.initial_val_loss is None:  # the base model's held-out loss, first
+        run.state.initial_val_loss = run.validate()["val_loss"]
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
     start = run.state.step
     show = progress and run.info.is_main
@@ -144,7 +146,7 @@ class _Run:
         self.session = Session(model, tcfg, optim, self.device, donor)
         self.info = self.session.info
         self.sampler = make_sampler(train_data, tcfg, seed, teacher if tcfg.distill.enabled else None)
-        self.rows = is_rows(train_data)
+        self.rows = is_rows(train_data) or is_images(train_data)  # epochs over items, not random windows
         self.tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
         resume = None if plan is None else plan.resume
         self.state = LoopState() if resume is None else restore(resume, self.session, self.sampler)
@@ -158,8 +160,9 @@ class _Run:
         if self.info.is_main:
             self.hooks.log(row, step)
 
-    def validate(self) -> float:
-        return validation_loss(
+    def validate(self) -> dict[str, float]:
+        """`val_loss` (and `val_accuracy` for images)."""
+        return validation_metrics(
             self.session.eval_module, self.val_data, self.tcfg.seq_len, self.tcfg.batch_size, self.device
         )
 
@@ -207,7 +210,7 @@ class _Run:
         """Validation when due, per-epoch perplexity, the log and the history row of step `step`."""
         done = self.state.step = step + 1
         if done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end:
-            row["val_loss"] = self.validate()
+            row.update(self.validate())
             row["val_ppl"] = math.exp(row["val_loss"])
             if self.hooks.bits_per_token is not None:
                 row["val_bpb"] = row["val_loss"] * self.hooks.bits_per_token

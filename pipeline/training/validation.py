@@ -7,14 +7,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.data.packed import Packed, is_rows
+from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.models.losses import IGNORE_INDEX
 
 
+def validation_metrics(
+    model: nn.Module, data: np.ndarray | Packed | Images, seq_len: int, batch_size: int, device: torch.device
+) -> dict[str, float]:
+    """`val_loss`, and for images `val_accuracy` too (one pass)."""
+    if is_images(data):
+        loss, accuracy, _ = classify(model, data, batch_size, device)
+        return {"val_loss": loss, "val_accuracy": accuracy}
+    return {"val_loss": validation_loss(model, data, seq_len, batch_size, device)}
+
+
 def validation_loss(
-    model: nn.Module, data: np.ndarray | Packed, seq_len: int, batch_size: int, device: torch.device
+    model: nn.Module, data: np.ndarray | Packed | Images, seq_len: int, batch_size: int, device: torch.device
 ) -> float:
-    """Every window of `seq_len` of a token stream, or every labelled (response) position of packed rows."""
+    """Every window of `seq_len` of a token stream, every labelled (response) position of packed rows,
+    or every image (mean cross-entropy of its class logits)."""
+    if is_images(data):
+        return classify(model, data, batch_size, device)[0]
     if is_rows(data):
         return response_nll(model, data, batch_size, device)
     return evaluate_loss(model, data, seq_len, batch_size, device)
@@ -55,3 +68,23 @@ def response_nll(model: nn.Module, packed: Packed, batch_size: int, device: torc
             count += n
     model.train(was_training)
     return total / max(count, 1)
+
+
+@torch.no_grad()
+def classify(
+    model: nn.Module, images: Images, batch_size: int, device: torch.device
+) -> tuple[float, float, np.ndarray]:
+    """(mean cross-entropy, accuracy, predicted class per image) over the whole split, fp32, in file order."""
+    was_training = model.training
+    model.eval()
+    total, predicted = 0.0, []
+    for i in range(0, len(images.labels), batch_size):
+        x = torch.from_numpy(np.array(images.pixels[i : i + batch_size])).to(device)
+        y = torch.from_numpy(np.array(images.labels[i : i + batch_size])).to(device)
+        logits = model(x).float()
+        total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        predicted.append(logits.argmax(-1).cpu().numpy())
+    model.train(was_training)
+    pred = np.concatenate(predicted)
+    n = max(len(pred), 1)
+    return total / n, float((pred == np.asarray(images.labels)).mean()), pred
