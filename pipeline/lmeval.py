@@ -213,6 +213,8 @@ def model_class() -> type:
     """`GGUFMethods` on lm-eval's TemplateLM, registered as `smollm-gguf` (lm-eval imported here)."""
     api_model = lm_eval_module("lm_eval.api.model")
     registry = lm_eval_module("lm_eval.api.registry")
+    # lm-eval's own models first: its get_model imports them only while the registry is empty
+    lm_eval_module("lm_eval.models")
     cls = type("GGUFLM", (GGUFMethods, api_model.TemplateLM), {"__module__": __name__, "__doc__": GGUFMethods.__doc__})
     if MODEL_NAME not in registry.model_registry:  # else lm-eval found our entry point: it loads this class
         registry.register_model(MODEL_NAME)(cls)

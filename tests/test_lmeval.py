@@ -196,6 +196,17 @@ def test_the_declared_entry_point_loads_the_registered_model_class() -> None:
     assert meta["scripts"]["smollm-lm-eval"] == "stages.lmeval:main"
 
 
+def test_registering_ours_keeps_lm_evals_own_models() -> None:
+    """lm-eval 0.4.13 fills its model registry only when it is empty: ours must not hide `hf` & co."""
+    code = (
+        "from pipeline.lmeval import model_class\nmodel_class()\n"
+        "from lm_eval.api.registry import model_registry\nprint(sorted(model_registry.keys()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert {"hf", "gguf", "dummy", MODEL_NAME} <= set(eval(out.stdout))
+
+
 def test_a_path_that_is_not_a_gguf_is_one_named_error(tmp_path: Path) -> None:
     text = tmp_path / "notes.gguf"
     text.write_text("not a model\n")
