@@ -51,39 +51,47 @@ def score_continuations(
 ) -> list[tuple[float, bool]]:
     """(sum of the continuation's token log-probs, every token the argmax) for each pair, in order.
 
-    Pairs run longest first in batches of `batch_size` (so a batch pads little, and the first batch
-    shows whether the largest fits in memory), right-padded: the model is causal, so padding after a
-    row changes none of its scored positions. Only the continuation's positions go through the
-    head, so a long context costs no (tokens x vocab) logits. `on_batch(n)` is told each batch's size.
+    Distinct model inputs run longest first in batches of `batch_size` (so a batch pads little, and
+    the first batch shows whether the largest fits in memory), right-padded: the model is causal, so
+    padding after a row changes none of its scored positions. Pairs with the same input (the choices
+    of a multiple-choice question that are one token each, e.g. " A" / " B") share one row. Only the
+    scored positions go through the head, so a long context costs no (tokens x vocab) logits.
+    `on_batch(n)` is told how many pairs each batch finished.
     """
     limit = limit or model.cfg.context_length
-    inputs = [model_input(c, t, limit) for c, t in pairs]
-    order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
+    rows: dict[tuple[int, ...], list[int]] = {}  # distinct input -> the pairs that read it
+    for i, (context, continuation) in enumerate(pairs):
+        rows.setdefault(tuple(model_input(context, continuation, limit)), []).append(i)
+    order = sorted(rows, key=len, reverse=True)
     out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
     model.eval()
-    for start in range(0, len(order), max(1, batch_size)):
-        rows = order[start : start + max(1, batch_size)]
-        scored = _score_batch(model, [inputs[i] for i in rows], [pairs[i][1] for i in rows])
-        for i, result in zip(rows, scored):
+    step = max(1, batch_size)
+    for start in range(0, len(order), step):
+        batch = order[start : start + step]
+        members = [(b, i) for b, row in enumerate(batch) for i in rows[row]]
+        scored = _score_batch(model, [list(row) for row in batch], [(b, pairs[i][1]) for b, i in members])
+        for (_, i), result in zip(members, scored):
             out[i] = result
         if on_batch is not None:
-            on_batch(len(rows))
+            on_batch(len(members))
     return out
 
 
 @torch.inference_mode()
 def _score_batch(
-    model: DecoderLM, inputs: list[list[int]], continuations: list[Sequence[int]]
+    model: DecoderLM, inputs: list[list[int]], wanted: list[tuple[int, Sequence[int]]]
 ) -> list[tuple[float, bool]]:
+    """For each (row, continuation) in `wanted`: the continuation scored at the row's last positions."""
     device = next(model.parameters()).device
     width = max(len(r) for r in inputs)
     idx = torch.zeros((len(inputs), width), dtype=torch.long)
-    rows, cols, targets, counts = [], [], [], []
-    for b, (row, cont) in enumerate(zip(inputs, continuations)):
+    for b, row in enumerate(inputs):
         idx[b, : len(row)] = torch.tensor(row)
-        n = len(cont)
+    rows, cols, targets, counts = [], [], [], []
+    for b, cont in wanted:
+        n, end = len(cont), len(inputs[b])
         rows += [b] * n
-        cols += range(len(row) - n, len(row))
+        cols += range(end - n, end)
         targets += list(cont)
         counts.append(n)
     hidden = model.hidden(idx.to(device))

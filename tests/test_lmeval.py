@@ -64,6 +64,7 @@ def test_loglikelihood_is_the_sum_of_token_logprobs_of_a_forward_pass(tiny: Path
     model.eval()
     long_context = "the cat sat on the mat and then the dog sat on the cat " * 2  # past context_length 32
     pairs = [(q, " " + c) for q, choices, _ in TINY_DOCS for c in choices[:1]] + [(long_context, "again")]
+    pairs += [("the cat sat on the", one) for one in (" a", " t", "s")]  # one-token choices: one shared row
     got = lm.loglikelihood(ll_requests(pairs))
     for (context, continuation), (logprob, greedy) in zip(pairs, got):
         ctx, whole = tok.encode(context.rstrip(" ")), tok.encode(context + continuation)
