@@ -17,6 +17,7 @@ import torch
 
 from pipeline.errors import ConfigError, GGUFError
 from pipeline.generate import load_for_generation
+from pipeline.gguf.chat import render_messages
 from pipeline.gguf.reader import GGUFFile
 from tests.conftest import ROOT, write_tiny_gguf
 
@@ -159,6 +160,29 @@ def test_a_local_multiple_choice_task_through_lm_eval_scores_as_our_model_does(t
     for sample, want in zip(samples, want_scores):
         got = [float(resp[0][0]) for resp in sample["resps"]]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_apply_chat_template_renders_the_gguf_template_and_scores_it(tiny: Path, tmp_path: Path) -> None:
+    tasks = write_task(tmp_path / "tasks", write_docs(tmp_path / "tiny.jsonl", TINY_DOCS[:2]))
+    model_class()
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    kwargs = {"batch_size": 4, "device": "cpu", "log_samples": True, "apply_chat_template": True}
+    out = lm_eval.simple_evaluate(
+        model=MODEL_NAME, model_args={"path": str(tiny)}, tasks=["tiny_mc"], task_manager=manager, **kwargs
+    )
+    model, tok, metadata = load_for_generation(str(tiny))
+    model.eval()
+    for sample in out["samples"]["tiny_mc"]:
+        question = TINY_DOCS[sample["doc_id"]][0]
+        want_context = render_messages(
+            tok, metadata["tokenizer.chat_template"], [{"role": "user", "content": question}], True
+        )
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            assert context == want_context and context.endswith("<|im_start|>assistant\n")
+            # lm-eval moves the context's trailing whitespace (the template's "\n") into the continuation
+            ctx, whole = tok.encode(context.rstrip()), tok.encode(context + continuation)
+            fits = whole[-(model.cfg.context_length + 1) :]  # the tiny model's 32 tokens
+            assert float(resp[0][0]) == pytest.approx(direct_logprob(model, fits, len(whole) - len(ctx))[0], abs=1e-4)
 
 
 EASY = [
