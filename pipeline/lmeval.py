@@ -38,6 +38,7 @@ MODEL_NAME = "smollm-gguf"
 log = logging.getLogger(__name__)
 DEFAULT_BATCH = 16  # `--batch_size auto`; lm-eval's own default is 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODEL_ARGS = ("path", "dtype", "max_length", "lora")
 INSTALL = "pip install '.[eval]' (lm-eval)"
 
 
@@ -65,7 +66,7 @@ def _batch_size(value: int | str | None) -> int:
 
 def _device(name: str | None) -> torch.device:
     """The device asked for, or the best one here when it is unavailable: lm-eval's CLI always asks
-    for cuda:0, so (as lm-eval's own HF model does) a CPU-only machine falls back with a warning."""
+    for cuda:0, so (as lm-eval's own HF model does) a CPU-only machine falls back, and logs it."""
     try:
         return pick_device(name or "auto")
     except ConfigError:
@@ -87,8 +88,13 @@ class GGUFMethods:
         max_length: int = 0,
         lora: str = "",
         max_batch_size: int | None = None,
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:
+            raise ConfigError(
+                problem("--model_args", f"keys among {', '.join(MODEL_ARGS)}", ", ".join(unknown), "drop or fix them")
+            )
         if not path or not resolve_gguf_path(str(path)).exists():
             raise ConfigError(
                 problem(f"--model_args path={path}", "a GGUF file or model directory", "no such file", _PATH_FIX)

@@ -239,6 +239,8 @@ def test_a_path_that_is_not_a_gguf_is_one_named_error(tmp_path: Path) -> None:
         model_class()(path=str(text))
     with pytest.raises(ConfigError, match="path=.*missing.gguf: expected a GGUF file or model directory"):
         model_class()(path=str(tmp_path / "missing.gguf"))
+    with pytest.raises(ConfigError, match="--model_args: expected keys among path, .* found pretrained"):
+        model_class()(path=str(text), pretrained="gpt2")
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
