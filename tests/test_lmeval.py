@@ -21,6 +21,7 @@ from pipeline.gguf.chat import render_messages
 from pipeline.gguf.reader import GGUFFile
 from tests.conftest import ROOT, write_tiny_gguf
 
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is first imported: local files only
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import Registry  # noqa: E402
@@ -197,6 +198,7 @@ EASY = [
 ]
 
 
+@pytest.mark.slow
 def test_the_donor_gguf_beats_chance_on_easy_questions(smollm2_path: Path, tmp_path: Path) -> None:
     """The real Q4_1/Q8_0 donor through lm-eval: finite scores, and easy questions mostly right."""
     types = {GGUFFile(smollm2_path).tensor_info(n).ggml_type for n in GGUFFile(smollm2_path).tensor_names()}
