@@ -1,0 +1,55 @@
+"""lm-evaluation-harness with our model registered: `python -m stages.lmeval` takes lm-eval's own
+arguments (console script `smollm-lm-eval`), e.g.
+
+    python -m stages.lmeval --model smollm-gguf --model_args path=models/export/model.gguf \\
+        --tasks hellaswag,arc_easy,piqa --batch_size 16
+
+lm-eval 0.4.13 (the newest on PyPI) loads no model plugins, so this registers `smollm-gguf`
+(`pipeline.lmeval`) and then runs lm-eval's CLI. A user mistake lm-eval or we refuse (a task whose
+data is missing, a path that is not a GGUF) ends as one `error:` line and exit 2, lm-eval's own
+message kept on that line. Not a DVC stage and no MLflow run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pipeline.errors import PipelineError, one_line, problem
+from pipeline.lmeval import lm_eval_module, model_class
+from stages.common import fail
+
+# What lm-eval raises for a task it cannot build (missing data files, an unknown task or dataset,
+# a malformed task YAML): passed through on one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError)
+
+
+def run(argv: list[str]) -> None:
+    """lm-eval's CLI on `argv` (without the program name), `smollm-gguf` registered first."""
+    model_class()
+    harness = lm_eval_module("lm_eval.__main__")
+    sys.argv = ["lm_eval", *argv]
+    harness.cli_evaluate()
+
+
+def main() -> None:
+    try:
+        run(sys.argv[1:])
+    except PipelineError as e:
+        fail(str(e))
+    except USER_ERRORS as e:
+        if os.environ.get("SMOLLM_TRACEBACK"):
+            raise
+        fail(
+            problem(
+                "lm_eval " + " ".join(sys.argv[1:])[:120],
+                "tasks whose data loads and valid arguments",
+                f"{type(e).__name__}: {one_line(e, 300)}",
+                "check the task's dataset_path / data_files (hub datasets need a network), or rerun with "
+                "SMOLLM_TRACEBACK=1 for the traceback",
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
