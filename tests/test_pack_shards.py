@@ -54,7 +54,9 @@ def test_merged_shards_equal_the_one_shard_pack(tmp_path: Path, tok: GGUFTokeniz
     assert (loaded.distinct_tokens, loaded.data, loaded.shards) == (whole.distinct_tokens, whole.data, n)
     assert loaded.corpus_sha256 != whole.corpus_sha256  # documented: the sha256 of the shards' fingerprints
     assert metrics["shards"] == n and metrics["tokens"] == sum(whole.tokens.values())
-    sizes = [json.loads((Path(cfg.shard_dir) / shard_name(k, n) / "shard.json").read_text())["documents"] for k in range(n)]
+    sizes = [
+        json.loads((Path(cfg.shard_dir) / shard_name(k, n) / "shard.json").read_text())["documents"] for k in range(n)
+    ]
     assert sum(sizes) == 41 and min(sizes) > 0
 
 

@@ -98,7 +98,13 @@ class DataConfig:
         for i, s in enumerate(self.sources):
             key = f"data.sources[{i}]"
             choice(s.source, f"{key}.source", MIX_SOURCES)
-            check(s.source == "pydoc" or bool(s.path), f"{key}.path", "a file or directory", s.path, "set it")
+            check(
+                s.source == "pydoc" or bool(s.path),
+                f"{key}.path",
+                "a file or directory",
+                s.path,
+                f"set data.sources.{i}.path=... (or list data.sources in full)",
+            )
             ok = isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0
             check(ok, f"{key}.weight", "a finite weight >= 0", s.weight, "use e.g. 0.7 (weights are normalized)")
         total = sum(s.weight for s in self.sources)

@@ -137,7 +137,9 @@ def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> 
     start = time.perf_counter()
     if cfg.num_shards < 2:
         raise ConfigError(
-            problem("config key data.num_shards", "the number of shard jobs (> 1) to merge", "1", "pass data.num_shards=N")
+            problem(
+                "config key data.num_shards", "the number of shard jobs (> 1) to merge", "1", "pass data.num_shards=N"
+            )
         )
     shards = read_shards(cfg, tokenizer_fingerprint)
     first = shards[0][1]
