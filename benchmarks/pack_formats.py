@@ -123,7 +123,9 @@ def main() -> None:
     files = make_files(args.dir, args.size_mb)
     rows = []
     for kind, path in files.items():
-        print(f"{kind}: {path} ({path.stat().st_size / 2**20:,.0f} MiB on disk, {args.size_mb} MiB of text)", flush=True)
+        print(
+            f"{kind}: {path} ({path.stat().st_size / 2**20:,.0f} MiB on disk, {args.size_mb} MiB of text)", flush=True
+        )
         runs: dict[str, list[dict]] = {"pack": [], "plain": []}
         for _ in range(args.repeats):
             runs["pack"].append(run_child(PACK, kind, str(path), str(args.dir / f"packed-{kind}")))
