@@ -4,7 +4,10 @@ are checked; a merge with a missing or foreign shard is one line naming the shar
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from pipeline.data.shards import merge_shards, pack_shard, shard_name
 from pipeline.data.text import pack
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from tests.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +100,29 @@ def test_shard_files_are_small_and_flat(tmp_path: Path, tok: GGUFTokenizer) -> N
     assert per_doc.shape == (json.loads((d / "shard.json").read_text())["documents"], 2)
     assert (d / "tokens.bin").stat().st_size == int(per_doc[:, 0].sum()) * 2
     assert (d / "seen.npy").stat().st_size < tok.vocab_size // 8 + 256
+
+
+def stage(cwd: Path, module: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", module, *overrides, "tracking.enabled=false", "hydra.run.dir=logs"]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_shard_jobs_as_a_hydra_multirun_then_the_merge_stage(tmp_path: Path) -> None:
+    """The stage CLI end to end: `-m data.shard_index=0,1`, then `stages.pack_merge` gives the 1-job pack."""
+    data = ["data=jsonl", f"data.path={corpus(tmp_path, 2500)}"]
+    jobs = stage(tmp_path, "stages.pack", "-m", *data, "data.num_shards=2", "data.shard_index=0,1")
+    assert jobs.returncode == 0, jobs.stderr[-2000:]
+    short = stage(tmp_path, "stages.pack_merge", *data, "data.num_shards=3")  # shards of another count
+    lines = [line for line in short.stderr.splitlines() if line.strip()]
+    assert short.returncode == 2 and len(lines) == 1 and "shard-00000-of-00003" in lines[0], short.stderr
+    merged = stage(tmp_path, "stages.pack_merge", *data, "data.num_shards=2")
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert json.loads((tmp_path / "metrics" / "pack.json").read_text())["shards"] == 2
+    (tmp_path / "data" / "packed").rename(tmp_path / "merged")
+    assert stage(tmp_path, "stages.pack", *data).returncode == 0
+    for split in ("train", "val"):
+        assert (tmp_path / "merged" / f"{split}.bin").read_bytes() == (
+            tmp_path / "data/packed" / f"{split}.bin"
+        ).read_bytes()
