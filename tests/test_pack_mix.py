@@ -91,7 +91,7 @@ def test_sources_without_mix_and_mix_without_sources_are_named() -> None:
         DataConfig(source="mix", sources=[MixSource(source="instruct", path="b.jsonl")])
 
 
-@pytest.mark.parametrize(("content", "needle"), [(None, "data.path"), ("\n\n", "documents, found none")])
+@pytest.mark.parametrize(("content", "needle"), [(None, "data.sources[1].path="), ("\n\n", "documents, found none")])
 def test_unreadable_or_empty_source_is_named(
     tmp_path: Path, tok: GGUFTokenizer, content: str | None, needle: str
 ) -> None:

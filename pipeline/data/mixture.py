@@ -89,7 +89,10 @@ class Source:
                 if self.passes == 1:
                     self.read = pos
         except PipelineError as e:  # name the mixture entry the file belongs to
-            raise type(e)(f"{self.key}: {e}") from None
+            msg = str(e)
+            raise type(e)(
+                msg.replace("data.path", f"{self.key}.path") if "data.path" in msg else f"{self.key}: {msg}"
+            ) from None
 
 
 def pack_mixture(
