@@ -34,7 +34,8 @@ class DataConfig:
 
     `instruct`: `path` is a JSONL file of {"prompt", "response"|"completion"}, Alpaca, ShareGPT or
     {"messages": [...]} lines, or empty for the built-in pydoc Q/A set; the instruct keys say how
-    examples become rows.
+    examples become rows. `mix`: several running-text `sources` by weight (`pipeline.data.mixture`).
+    `num_shards` > 1: this job packs shard `shard_index` into `shard_dir` (`pipeline.data.shards`).
     """
 
     source: str = "pydoc"  # pydoc | text | dir | jsonl | parquet | instruct
