@@ -7,7 +7,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.pack import run_pack
+from pipeline.pack import run_pack, run_pack_shard
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
 
 log = logging.getLogger(__name__)
@@ -15,6 +15,14 @@ log = logging.getLogger(__name__)
 
 def body(ctx: StageContext) -> dict[str, float]:
     ctx.add_input("donor", ctx.donor)
+    data = ctx.cfg.data
+    if data.num_shards > 1:
+        shard, metrics = run_pack_shard(data, ctx.donor, progress=ctx.cfg.output == "text")
+        log.info(
+            f"pack: shard {data.shard_index} of {data.num_shards}: {int(metrics['documents'])} documents, "
+            f"{int(metrics['tokens'])} tokens -> {shard}; when all are done: python -m stages.pack_merge"
+        )
+        return metrics
     meta, metrics = run_pack(ctx.cfg.data, ctx.donor, ctx.out_dir, progress=ctx.cfg.output == "text")
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})

@@ -138,3 +138,40 @@ def test_undecodable_text_names_the_byte_offset(tmp_path: Path) -> None:
     p.write_bytes(b"fine line\n---\nok \xff bad\n")
     with pytest.raises(DataError, match="undecodable bytes at offset 17"):
         load_documents(DataConfig(source="text", path=str(p)))
+
+
+def test_gzip_jsonl_without_the_field_names_the_line(tmp_path: Path) -> None:
+    p = tmp_path / "c.jsonl.gz"
+    p.write_bytes(gzip.compress(jsonl_bytes(40) + jsonl_bytes(1, field="content")))
+    with pytest.raises(DataError) as err:
+        load_documents(DataConfig(source="jsonl", path=str(p)))
+    assert f"{p} line 41" in str(err.value) and "'text'" in str(err.value) and "['content']" in str(err.value)
+
+
+@pytest.mark.skipif(not HAS_ZSTD, reason="zstandard is not installed (without it a .zst is the named error above)")
+def test_corrupt_zstd_names_the_file_and_offset(tmp_path: Path) -> None:
+    import zstandard
+
+    data = bytearray(zstandard.ZstdCompressor().compress(jsonl_bytes(3000)))
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64
+    bad = tmp_path / "bad.jsonl.zst"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DataError) as err:
+        load_documents(DataConfig(source="jsonl", path=str(bad)))
+    msg = str(err.value)
+    assert str(bad) in msg and "compressed byte" in msg and "zstd" in msg and "\n" not in msg
+
+
+def test_corrupt_parquet_row_group_is_named(tmp_path: Path) -> None:
+    """Damage inside the third row group's data: the error names that row group, after the first two read."""
+    p = tmp_path / "c.parquet"
+    texts = [f"row {i} " + "text " * 50 for i in range(30)]
+    pq.write_table(pa.table({"text": texts}), p, row_group_size=10, compression="snappy")
+    column = pq.ParquetFile(p).metadata.row_group(2).column(0)
+    start = column.data_page_offset
+    data = bytearray(p.read_bytes())
+    data[start + 20 : start + 120] = b"\xff" * 100
+    p.write_bytes(bytes(data))
+    with pytest.raises(DataError) as err:
+        load_documents(DataConfig(source="parquet", path=str(p)))
+    assert f"{p} row group 2" in str(err.value) and "\n" not in str(err.value)

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from pipeline.config.checks import check, choice, integer, positive
 
-SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct", "digits", "images")
 IMAGE_SOURCES = ("digits", "images")  # labelled images (the ViT recipe), not text
+SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct", "mix", "digits", "images")
+MIX_SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet")
+MIX_STOPS = ("first_exhausted", "all_exhausted")
 TEMPLATES = ("auto", "chat", "plain")
+# How a pack is made, not what it holds: left out of the packed meta's data record, so a merged
+# N-shard pack records what a 1-shard pack of the same corpus does (and the lineage checks agree).
+HOW_KEYS = ("num_shards", "shard_index", "shard_dir")
+
+
+@dataclass
+class MixSource:
+    """One source of a mixture (`data.source=mix`): a running-text source and its weight, the share
+    of the pack's train tokens it gets (weights are normalized by their sum)."""
+
+    source: str = "jsonl"  # pydoc | text | dir | jsonl | parquet
+    path: str = ""
+    glob: str = "**/*.txt"
+    text_field: str = "text"
+    weight: float = 1.0
 
 
 @dataclass
@@ -17,7 +35,8 @@ class DataConfig:
 
     `instruct`: `path` is a JSONL file of {"prompt", "response"|"completion"}, Alpaca, ShareGPT or
     {"messages": [...]} lines, or empty for the built-in pydoc Q/A set; the instruct keys say how
-    examples become rows.
+    examples become rows. `mix`: several running-text `sources` by weight (`pipeline.data.mixture`).
+    `num_shards` > 1: this job packs shard `shard_index` into `shard_dir` (`pipeline.data.shards`).
     """
 
     source: str = "pydoc"  # pydoc | text | dir | jsonl | parquet | instruct
@@ -41,11 +60,18 @@ class DataConfig:
     # images only (digits: scikit-learn's bundled 8x8 digits; images: class sub-folders under `path`):
     image_size: int = 16  # pixels per side after resizing
     channels: int = 1  # 1 (grey) | 3 (RGB); digits are grey
+    # mix only: the sources and what ends the mixture (see pipeline.data.mixture)
+    sources: list[MixSource] = field(default_factory=list)
+    mix_stop: str = "first_exhausted"  # first_exhausted (down-sample) | all_exhausted (up-sample)
+    # running text: pack as num_shards independent jobs, then merge (see pipeline.data.shards)
+    num_shards: int = 1
+    shard_index: int = 0
+    shard_dir: str = "data/packed-shards"
 
     def __post_init__(self) -> None:
         choice(self.source, "data.source", SOURCES)
         check(
-            self.source in ("pydoc", "instruct", "digits") or bool(self.path),
+            self.source in ("pydoc", "instruct", "mix", "digits") or bool(self.path),
             "data.path",
             f"a file or directory for data.source={self.source}",
             self.path,
@@ -69,11 +95,63 @@ class DataConfig:
             self.channels,
             "set data.channels=1",
         )
+        self._check_mix_keys()
+        self._check_shard_keys()
 
     @property
     def images(self) -> bool:
         """Labelled images (digits, images) rather than text."""
         return self.source in IMAGE_SOURCES
+
+    def _check_mix_keys(self) -> None:
+        mixing = self.source == "mix"
+        check(
+            mixing == bool(self.sources),
+            "data.sources",
+            "a non-empty list exactly when data.source=mix",
+            f"{len(self.sources)} sources with data.source={self.source}",
+            "set data.source=mix with data.sources=[{source: jsonl, path: a.jsonl, weight: 0.7}, ...], "
+            "or data.sources=[] for one source",
+        )
+        choice(self.mix_stop, "data.mix_stop", MIX_STOPS)
+        for i, s in enumerate(self.sources):
+            key = f"data.sources[{i}]"
+            choice(s.source, f"{key}.source", MIX_SOURCES)
+            check(
+                s.source == "pydoc" or bool(s.path),
+                f"{key}.path",
+                "a file or directory",
+                s.path,
+                f"set data.sources.{i}.path=... (or list data.sources in full)",
+            )
+            ok = isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0
+            check(ok, f"{key}.weight", "a finite weight >= 0", s.weight, "use e.g. 0.7 (weights are normalized)")
+        total = sum(s.weight for s in self.sources)
+        check(
+            not mixing or total > 0,
+            "data.sources[*].weight",
+            "weights summing to a positive number",
+            total,
+            "give at least one source a positive weight",
+        )
+
+    def _check_shard_keys(self) -> None:
+        integer(self.num_shards, "data.num_shards", 1, "set 1, or the number of pack jobs")
+        check(
+            isinstance(self.shard_index, int) and 0 <= self.shard_index < self.num_shards,
+            "data.shard_index",
+            f"an index in [0, data.num_shards={self.num_shards})",
+            self.shard_index,
+            f"set data.shard_index to 0..{self.num_shards - 1} (one job each)",
+        )
+        check(
+            self.num_shards == 1 or self.source not in ("instruct", "mix"),
+            "data.num_shards",
+            "1 for data.source=instruct or mix (only a single running-text source packs in shards)",
+            self.num_shards,
+            "set data.num_shards=1",
+        )
+        check(bool(self.shard_dir), "data.shard_dir", "a directory for the shards", self.shard_dir, "set it")
 
     def _check_instruct_keys(self) -> None:
         integer(self.max_seq_len, "data.max_seq_len", 2, "set 512")

@@ -46,6 +46,8 @@ class PackMeta:
     stats: dict | None = None  # instruct: per-split counts (examples, truncated, rows, label tokens)
     data: dict | None = None  # the data config it was packed with: what later stages check theirs against
     bytes: dict[str, int] | None = None  # running text: UTF-8 bytes of each split's documents (bits per byte)
+    sources: list[dict] | None = None  # a mixture: per source documents, tokens, share (pipeline.data.mixture)
+    shards: int | None = None  # merged from this many shards (pipeline.data.shards)
 
     def bits_per_token(self, split: str = "val") -> float | None:
         """Nats per token -> bits per UTF-8 byte of `split`'s text (its token/byte ratio over ln 2): the
@@ -76,8 +78,12 @@ def ids_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+OPTIONAL = ("sources", "shards")  # left out of meta.json when None: a plain pack's meta is as it always was
+
+
 def write_meta(out_dir: Path, meta: PackMeta) -> None:
-    write_json(Path(out_dir) / META_FILE, asdict(meta))
+    record = asdict(meta)
+    write_json(Path(out_dir) / META_FILE, {k: v for k, v in record.items() if k not in OPTIONAL or v is not None})
 
 
 def write_tokens(out_dir: Path, split: str, ids: np.ndarray) -> None:

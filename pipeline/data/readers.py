@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.errors import DataError, problem
+from pipeline.errors import DataError, one_line, problem
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -130,7 +130,9 @@ def iter_parquet(p: Path, column: str, batch_rows: int = 1024) -> Iterator[tuple
     try:
         pf = pq.ParquetFile(p)
     except (OSError, pa.ArrowException) as e:
-        raise DataError(problem(str(p), "a parquet file", f"unreadable ({e})"[:120], "check data.path")) from None
+        raise DataError(
+            problem(str(p), "a parquet file", f"unreadable ({one_line(e, 100)})", "check data.path")
+        ) from None
     schema = pf.schema_arrow
     where = f"{p} row group 0"
     if column not in schema.names:
@@ -148,5 +150,5 @@ def iter_parquet(p: Path, column: str, batch_rows: int = 1024) -> Iterator[tuple
                     row += 1
         except (OSError, pa.ArrowException) as e:
             raise DataError(
-                problem(f"{p} row group {group}", "readable rows", f"{e}"[:100], "re-export the file")
+                problem(f"{p} row group {group}", "readable rows", one_line(e, 100), "re-export the file")
             ) from None

@@ -15,6 +15,7 @@ import time
 from array import array
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict
 from itertools import chain
 from pathlib import Path
@@ -24,9 +25,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pipeline.config import DataConfig
+from pipeline.config.data import HOW_KEYS
 from pipeline.data.corpus import CorpusHash, Document, too_few_documents
-from pipeline.data.packed import SPLITS, PackMeta, ids_dtype, write_meta
+from pipeline.data.packed import REPACK, SPLITS, PackMeta, ids_dtype, write_meta
 from pipeline.data.split import split_indices, val_mask
+from pipeline.errors import DataError, problem
 from pipeline.files import atomic_dir
 from pipeline.gguf.tokenizer import GGUFTokenizer
 
@@ -133,22 +136,29 @@ def stream_tokens(
     return counts
 
 
-def copy_out(all_tokens: Path, tmp: Path, val: np.ndarray, tokens: np.ndarray, itemsize: int) -> None:
-    """`train.bin` / `val.bin` from the corpus-order token file: each run of consecutive documents of one
-    split is copied in pieces of at most `COPY_BYTES`, so the corpus is never in memory."""
-    ends = np.cumsum(tokens) * itemsize
-    change = np.flatnonzero(np.diff(val.astype(np.int8))) + 1  # first document of each new run
-    starts = np.concatenate([[0], change])
-    stops = np.concatenate([change, [len(val)]])
-    with all_tokens.open("rb") as src, (tmp / "train.bin").open("wb") as tr, (tmp / "val.bin").open("wb") as va:
-        for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
-            dst = va if val[a] else tr
-            pos = int(ends[a - 1]) if a else 0
+def copy_runs(
+    files: list[Path], tmp: Path, val: np.ndarray, where: np.ndarray, start: np.ndarray, size: np.ndarray
+) -> None:
+    """`train.bin` / `val.bin` from token files in corpus order: document i's ids are `size[i]` bytes at
+    `start[i]` of `files[where[i]]`. Each run of consecutive documents of one split that lie back to back
+    in one file is copied in pieces of at most `COPY_BYTES`, so the corpus is never in memory."""
+    brk = (np.diff(val.astype(np.int8)) != 0) | (np.diff(where) != 0) | (start[1:] != start[:-1] + size[:-1])
+    change = np.flatnonzero(brk) + 1  # first document of each new run
+    starts = np.concatenate([[0], change]).tolist()
+    stops = np.concatenate([change, [len(val)]]).tolist()
+    with ExitStack() as stack:
+        srcs = [stack.enter_context(f.open("rb")) for f in files]
+        dst = {s: stack.enter_context((tmp / f"{s}.bin").open("wb")) for s in SPLITS}
+        for a, b in zip(starts, stops, strict=True):
+            src, out = srcs[int(where[a])], dst["val" if val[a] else "train"]
+            pos = int(start[a])
             src.seek(pos)
-            left = int(ends[b - 1]) - pos
+            left = int(start[b - 1] + size[b - 1]) - pos
             while left:
                 piece = src.read(min(left, COPY_BYTES))
-                dst.write(piece)
+                if not piece:
+                    raise DataError(problem(str(files[int(where[a])]), f"{left} more bytes", "end of file", REPACK))
+                out.write(piece)
                 left -= len(piece)
 
 
@@ -157,52 +167,82 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def tokenize_to(
+    docs: Iterable[Document], tok: GGUFTokenizer, cfg: DataConfig, path: Path, progress: bool
+) -> tuple[Counts, int | None, int | None]:
+    """Every document's ids, wrapped as configured, appended to `path` in corpus order; (counts, bos, eos)."""
+    bos = tok.bos_id if resolve_add_bos(cfg.add_bos, tok) else None
+    eos = tok.eos_id if cfg.add_eos else None
+    bar = tqdm(desc="pack", unit="doc", disable=not progress, dynamic_ncols=True)
+    with path.open("wb") as out, bar:
+        return stream_tokens(docs, tok, bos, eos, out, bar), bos, eos
+
+
+def split_meta(
+    tok: GGUFTokenizer | dict, cfg: DataConfig, val: np.ndarray, tokens: np.ndarray, nbytes: np.ndarray, **facts
+) -> PackMeta:
+    """The meta of a running-text pack from its per-document counts and split; `tok` is the tokenizer or
+    the facts a shard recorded of it (vocab_size, tokenizer_fingerprint); `facts`: corpus_sha256, bos_id,
+    eos_id, distinct_tokens."""
+    about = tok if isinstance(tok, dict) else {"vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint()}
+    side = {"train": ~val, "val": val}
+    return PackMeta(
+        vocab_size=about["vocab_size"],
+        dtype=ids_dtype(about["vocab_size"]).name,
+        tokenizer_fingerprint=about["tokenizer_fingerprint"],
+        source=cfg.source,
+        documents={s: int(side[s].sum()) for s in SPLITS},
+        tokens={s: int(tokens[side[s]].sum()) for s in SPLITS},
+        data=data_record(cfg),
+        bytes={s: int(nbytes[side[s]].sum()) for s in SPLITS},
+        **facts,
+    )
+
+
+def data_record(cfg: DataConfig) -> dict:
+    """The data config as the packed meta records it: what was packed, without how (`HOW_KEYS`), and
+    without the mixture keys when there is no mixture (so a 1-source meta is as it always was)."""
+    record = {k: v for k, v in asdict(cfg).items() if k not in HOW_KEYS}
+    if cfg.source != "mix":
+        record.pop("sources", None)
+        record.pop("mix_stop", None)
+    return record
+
+
+def pack_metrics(meta: PackMeta, elapsed: float) -> dict[str, float]:
+    """The stage's metrics: counts, throughput and this process's peak memory."""
+    n, total = sum(meta.documents.values()), sum(meta.tokens.values())
+    return {
+        "documents": float(n),
+        **{f"documents_{s}": float(meta.documents[s]) for s in SPLITS},
+        "tokens": float(total),
+        **{f"tokens_{s}": float(meta.tokens[s]) for s in SPLITS},
+        "distinct_tokens": float(meta.distinct_tokens),
+        "seconds": elapsed,
+        "tokens_per_second": total / max(elapsed, 1e-9),
+        "documents_per_second": n / max(elapsed, 1e-9),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
 def pack(
     docs: Iterable[Document], tok: GGUFTokenizer, cfg: DataConfig, out_dir: Path, progress: bool = False
 ) -> tuple[PackMeta, dict[str, float]]:
     """Tokenize, split and write `out_dir` atomically (streaming); returns the meta and the stage metrics."""
     start = time.perf_counter()
-    add_bos = resolve_add_bos(cfg.add_bos, tok)
-    bos, eos = (tok.bos_id if add_bos else None), (tok.eos_id if cfg.add_eos else None)
     dtype = ids_dtype(tok.vocab_size)
     with atomic_dir(out_dir) as tmp:
         all_tokens = tmp / "corpus-order.bin"
-        bar = tqdm(desc="pack", unit="doc", disable=not progress, dynamic_ncols=True)
-        with all_tokens.open("wb") as out, bar:
-            counts = stream_tokens(docs, tok, bos, eos, out, bar)
+        counts, bos, eos = tokenize_to(docs, tok, cfg, all_tokens, progress)
         n = len(counts.tokens)
         if n < 2:
             raise too_few_documents(cfg, n)
         val = val_mask(n, cfg.val_fraction, cfg.split_seed)
         tokens, nbytes = (np.frombuffer(a, dtype=np.int64) for a in (counts.tokens, counts.bytes))
-        copy_out(all_tokens, tmp, val, tokens, dtype.itemsize)
+        size = tokens * dtype.itemsize
+        copy_runs([all_tokens], tmp, val, np.zeros(n, dtype=np.int8), np.cumsum(size) - size, size)
         all_tokens.unlink()
-        side = {"train": ~val, "val": val}
-        meta = PackMeta(
-            vocab_size=tok.vocab_size,
-            dtype=dtype.name,
-            tokenizer_fingerprint=tok.fingerprint(),
-            corpus_sha256=counts.hash.hexdigest(),
-            source=cfg.source,
-            bos_id=bos,
-            eos_id=eos,
-            documents={s: int(side[s].sum()) for s in SPLITS},
-            tokens={s: int(tokens[side[s]].sum()) for s in SPLITS},
-            distinct_tokens=int(counts.seen.sum()),
-            data=asdict(cfg),
-            bytes={s: int(nbytes[side[s]].sum()) for s in SPLITS},
-        )
+        facts = {"corpus_sha256": counts.hash.hexdigest(), "bos_id": bos, "eos_id": eos}
+        meta = split_meta(tok, cfg, val, tokens, nbytes, distinct_tokens=int(counts.seen.sum()), **facts)
         write_meta(tmp, meta)
-    elapsed = time.perf_counter() - start
-    metrics = {
-        "documents": float(n),
-        **{f"documents_{s}": float(meta.documents[s]) for s in SPLITS},
-        "tokens": float(counts.total),
-        **{f"tokens_{s}": float(meta.tokens[s]) for s in SPLITS},
-        "distinct_tokens": float(meta.distinct_tokens),
-        "seconds": elapsed,
-        "tokens_per_second": counts.total / max(elapsed, 1e-9),
-        "documents_per_second": n / max(elapsed, 1e-9),
-        "peak_rss_mb": peak_rss_mb(),
-    }
-    return meta, metrics
+    return meta, pack_metrics(meta, time.perf_counter() - start)
