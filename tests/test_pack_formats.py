@@ -150,9 +150,10 @@ def test_gzip_jsonl_without_the_field_names_the_line(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAS_ZSTD, reason="zstandard is not installed (without it a .zst is the named error above)")
 def test_corrupt_zstd_names_the_file_and_offset(tmp_path: Path) -> None:
+    """Written with a content checksum, as the zstd CLI does by default (without one, damage can decode silently)."""
     import zstandard
 
-    data = bytearray(zstandard.ZstdCompressor().compress(jsonl_bytes(3000)))
+    data = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(jsonl_bytes(3000)))
     data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64
     bad = tmp_path / "bad.jsonl.zst"
     bad.write_bytes(bytes(data))

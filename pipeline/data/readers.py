@@ -5,6 +5,7 @@ in it (line, byte offset, row group) reading stopped."""
 from __future__ import annotations
 
 import gzip
+import io
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +39,9 @@ def _zstd_reader(raw: BinaryIO, p: Path) -> BinaryIO:
                 "pip install zstandard, or decompress the file (zstd -d) or recompress it with gzip",
             )
         ) from None
-    return zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
+    # zstandard's reader has no readline (iterating it raises); a buffered reader over it has
+    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20)
+    return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
