@@ -216,7 +216,8 @@ def main() -> None:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     ref = res.get("hf") if "error" not in res.get("hf", {}) else None
-    print(f"{'contender':>14}{'tokens/s':>10}{'peak RSS MiB':>14}{'load s':>8}{'step-0 loss':>12}{'speed':>8}{'RSS':>7}")
+    head = ("contender", 14), ("tokens/s", 10), ("peak RSS MiB", 14), ("load s", 8), ("step-0 loss", 12)
+    print("".join(f"{h:>{w}}" for h, w in (*head, ("speed", 8), ("RSS", 7))))
     for name, r in res.items():
         if "error" in r:
             print(f"{name:>14}  failed: {r['error'][:160]}")
