@@ -8,6 +8,7 @@ recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
 - `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
   (`make_optimizer`, `autocast`, `clip_gradients`, `keep_freed_memory`), `Llama.loss` on the rows
   with their segment ids (attention kept inside each packed example).
+- `ours-ckpt`: `ours` with `train.activation_checkpointing=true` (each block recomputed in backward).
 - `hf`: `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` (transformers dequantizes the
   same file with gguf-py: the same weights), `peft.get_peft_model`, `model(input_ids,
   labels=..., position_ids=...)` with positions restarting at each packed example (transformers'
@@ -37,25 +38,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("ours", "hf", "qlora-q4_1", "qlora-q4_k_m")
+CONTENDERS = ("ours", "ours-ckpt", "hf", "qlora-q4_1", "qlora-q4_k_m")
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def ours_step(args: argparse.Namespace, base: str, mode: str):
+def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False):
     """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
     import torch
 
     from pipeline.config import LoraConfig, OptimConfig
     from pipeline.finetune.base import build_finetune
     from pipeline.training.optim import clip_gradients, make_optimizer
-    from pipeline.training.runtime import autocast, keep_freed_memory
+    from pipeline.training.runtime import autocast, enable_activation_checkpointing, keep_freed_memory
 
     keep_freed_memory()  # what the train loop does on CPU
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
     model = build_finetune(base, mode, lora).train()
+    if checkpointing:
+        enable_activation_checkpointing(model)
     opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.0))
     params = [p for p in model.parameters() if p.requires_grad]
     device = torch.device("cpu")
@@ -67,7 +70,7 @@ def ours_step(args: argparse.Namespace, base: str, mode: str):
         clip_gradients(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
@@ -99,7 +102,7 @@ def hf_step(args: argparse.Namespace, base: str):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
@@ -118,7 +121,8 @@ def child(args: argparse.Namespace) -> dict:
     if args.child == "hf":
         step = hf_step(args, args.base)
     else:
-        step = ours_step(args, args.base, "lora" if args.child == "ours" else "qlora")
+        mode = "qlora" if args.child.startswith("qlora") else "lora"
+        step = ours_step(args, args.base, mode, checkpointing=args.child == "ours-ckpt")
     load_s = time.perf_counter() - t0
     sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
     times, losses = [], []

@@ -158,6 +158,18 @@ def test_chunked_losses_skip_the_gradient_of_a_frozen_head(distill: bool) -> Non
     assert grad_w.abs().sum() > 0
 
 
+def test_no_grad_loss_in_chunks_equals_the_plain_path() -> None:
+    """Validation's loss holds one chunk of fp32 logits; one chunk is the plain path exactly."""
+    from pipeline.models.losses import linear_nll
+
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(300, 32, generator=g), torch.randn(4000, 32, generator=g) * 0.2
+    t = torch.randint(0, 4000, (300,), generator=g)
+    plain = torch.nn.functional.cross_entropy(h @ w.T, t)
+    assert torch.equal(linear_nll(h, w, t), plain)
+    assert float(linear_nll(h, w, t, chunk=128)) == pytest.approx(float(plain), rel=1e-6)
+
+
 def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
     from pipeline.models.losses import linear_cross_entropy
 

@@ -112,6 +112,21 @@ def linear_cross_entropy(
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
 
 
+@torch.no_grad()
+def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """mean CE of `h @ w.T` without gradients, `chunk` rows of fp32 logits at a time (validation:
+    the whole (tokens x vocab) logits and their log-softmax were 800 MB at 4 x 512 tokens).
+    One chunk is exactly `F.cross_entropy` of the plain path."""
+    n = h.shape[0]
+    if n <= chunk:
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    for i in range(0, n, chunk):
+        logits = torch.nn.functional.linear(h[i : i + chunk], w).float()
+        total += torch.nn.functional.cross_entropy(logits, targets[i : i + chunk], reduction="sum").double()
+    return (total / n).float()
+
+
 def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of `h` (N, d) and `targets` (N,) whose target is not IGNORE_INDEX (all rows when none is)."""
     keep = targets != IGNORE_INDEX
