@@ -190,6 +190,7 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.05)  # recipe=lora's
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--log", help="append each child's figures to this JSONL file as it ends")
     p.add_argument("--child", choices=CONTENDERS)
     p.add_argument("--base")
     p.add_argument("--data")
@@ -212,6 +213,9 @@ def main() -> None:
         for _ in range(args.repeats):
             for name in names:
                 runs[name].append(run_child(name, bases[name], args, data))
+                if args.log:  # each child's figures as soon as it ends (a long run on a loaded box)
+                    with open(args.log, "a") as f:
+                        f.write(json.dumps({"contender": name, "load": os.getloadavg(), **runs[name][-1]}) + "\n")
     res = summarize(runs, args.batch_size * args.seq_len)
     load = os.getloadavg()
     print(
