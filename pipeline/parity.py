@@ -12,7 +12,6 @@ computes what evaluate measured.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +62,6 @@ def llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 1) ->
 
     One thread: on a busy small machine ggml's spinning worker threads make it many times slower.
     """
-    return list(iter_llamacpp_logprobs(gguf, windows, threads))
-
-
-def iter_llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 1) -> Iterator[torch.Tensor]:
-    """`llamacpp_logprobs` one window at a time: a (512 x 49152) float64 window is 200 MB, and the
-    evaluate stage holds only the one it compares."""
     import llama_cpp
 
     n_ctx = max(len(w) for w in windows)
@@ -79,13 +72,15 @@ def iter_llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 
             f"{gguf}: expected a GGUF llama.cpp loads, found {e}; fix: the shipped file would not run in "
             "llama.cpp: re-export it, or set evaluate.llamacpp_windows=0 to skip the check"
         ) from None
+    out = []
     try:
         for ids in windows:
             llm.reset()
             llm.eval(ids)
-            yield torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float64)).log_softmax(-1)
+            out.append(torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float64)).log_softmax(-1))
     finally:
         llm.close()
+    return out
 
 
 def _open(llama_cpp, gguf: Path, n_ctx: int, threads: int):
@@ -104,20 +99,17 @@ def _open(llama_cpp, gguf: Path, n_ctx: int, threads: int):
 
 
 @torch.no_grad()
-@torch.no_grad()
-def compare(model: nn.Module, windows: list[list[int]], theirs: Iterable[torch.Tensor], rows: int = 128) -> Parity:
-    """Top-1 agreement and KL(ours || llama.cpp) per position, over all windows (float64, `rows`
-    positions at a time: a whole window's float64 temporaries were 1 GB at 512 x 49152)."""
+def compare(model: nn.Module, windows: list[list[int]], theirs: list[torch.Tensor]) -> Parity:
+    """Top-1 agreement and KL(ours || llama.cpp) per position, over all windows."""
     device = next(model.parameters()).device
     model.eval()
     agree, kls = 0, []
     for ids, lp_cpp in zip(windows, theirs):
-        logits = model(torch.tensor([ids], device=device))[0]
-        for i in range(0, logits.shape[0], rows):
-            lp = logits[i : i + rows].double().cpu().log_softmax(-1)
-            ref = lp_cpp[i : i + rows, : lp.shape[-1]]
-            kls.append((lp.exp() * (lp - ref)).sum(-1))
-            agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+        lp = model(torch.tensor([ids], device=device))[0].double().cpu().log_softmax(-1)
+        lp_cpp = lp_cpp[:, : lp.shape[-1]]
+        kl = (lp.exp() * (lp - lp_cpp)).sum(-1)
+        kls.append(kl)
+        agree += int((lp.argmax(-1) == lp_cpp.argmax(-1)).sum())
     kl_all = torch.cat(kls)
     return Parity(agree / kl_all.numel(), float(kl_all.mean()), float(kl_all.max()), len(windows), kl_all.numel())
 
@@ -135,7 +127,7 @@ def llamacpp_parity(
     if not windows:
         log.info("evaluate: llama.cpp parity skipped (no val window)")
         return {}
-    parity = compare(model, windows, iter_llamacpp_logprobs(gguf, windows))
+    parity = compare(model, windows, llamacpp_logprobs(gguf, windows))
     log.info(
         f"evaluate: llama.cpp parity over {parity.tokens} tokens ({parity.windows} windows): top-1 agreement "
         f"{parity.top1_agreement:.1%}, mean KL {parity.mean_kl:.2e} (max {parity.max_kl:.2e})"
