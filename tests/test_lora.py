@@ -218,8 +218,8 @@ def test_torch_dequantize_equals_gguf_py_bit_for_bit(qtype: str) -> None:
 
 
 def test_unsupported_quant_type_is_named() -> None:
-    with pytest.raises(GGUFError, match=r"blk.0.attn_q.weight: expected a tensor type QLoRA keeps quantized.*Q4_K"):
-        split_blocks(np.zeros(144, np.uint8), "Q4_K", (1, 256), "blk.0.attn_q.weight")
+    with pytest.raises(GGUFError, match=r"blk.0.attn_q.weight: expected a tensor type QLoRA keeps quantized.*Q6_K"):
+        split_blocks(np.zeros(110, np.uint8), "Q3_K", (1, 256), "blk.0.attn_q.weight")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

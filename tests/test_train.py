@@ -133,6 +133,43 @@ def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
         assert (a - 3 * b).abs().max() <= tol * 3 * b.abs().max()
 
 
+@pytest.mark.parametrize("distill", [False, True])
+def test_chunked_losses_skip_the_gradient_of_a_frozen_head(distill: bool) -> None:
+    """LoRA's frozen tied head: no weight gradient is computed or returned, the input's is unchanged."""
+    from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, top_k_targets
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(200, 32, generator=g, requires_grad=True)
+    w = torch.randn(3000, 32, generator=g) * 0.1
+    t = torch.randint(0, 3000, (200,), generator=g)
+    teacher = top_k_targets(torch.randn(200, 3000, generator=g), 8)
+
+    def loss(weight: torch.Tensor) -> torch.Tensor:
+        if distill:
+            return linear_distill_loss(h, weight, t, teacher, 0.5, 1.0, chunk=64)[0]
+        return linear_cross_entropy(h, weight, t, chunk=64)
+
+    frozen = loss(w)
+    (grad_h,) = torch.autograd.grad(frozen, (h,))
+    w_trained = w.clone().requires_grad_()
+    trained = loss(w_trained)
+    grad_h_ref, grad_w = torch.autograd.grad(trained, (h, w_trained))
+    assert torch.equal(frozen.detach(), trained.detach()) and torch.equal(grad_h, grad_h_ref)
+    assert grad_w.abs().sum() > 0
+
+
+def test_no_grad_loss_in_chunks_equals_the_plain_path() -> None:
+    """Validation's loss holds one chunk of fp32 logits; one chunk is the plain path exactly."""
+    from pipeline.models.losses import linear_nll
+
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(300, 32, generator=g), torch.randn(4000, 32, generator=g) * 0.2
+    t = torch.randint(0, 4000, (300,), generator=g)
+    plain = torch.nn.functional.cross_entropy(h @ w.T, t)
+    assert torch.equal(linear_nll(h, w, t), plain)
+    assert float(linear_nll(h, w, t, chunk=128)) == pytest.approx(float(plain), rel=1e-6)
+
+
 def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
     from pipeline.models.losses import linear_cross_entropy
 

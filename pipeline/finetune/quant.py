@@ -1,6 +1,7 @@
 """QLoRA's frozen base: a GGUF's own quantized blocks kept in memory, dequantized per matmul in torch.
 
-`QuantLinear` holds a matrix as the GGUF stored it (scales as fp16, quants as packed uint8) and
+`QuantLinear` holds a matrix as the GGUF stored it (scales as fp16, quants as packed uint8; K-quant
+super-blocks, Q4_K/Q5_K/Q6_K as llama.cpp's Q4_K_M/Q5_K_M/Q6_K mixes write them, as their raw bytes) and
 rebuilds the fp32 weight for each forward and backward matmul, so the fp32 matrix never outlives
 one matmul: autograd saves nothing of it (a custom Function re-dequantizes in backward; the base
 is frozen, so only the input gradient is needed). The torch dequantization reproduces
@@ -25,7 +26,9 @@ from pipeline.models.llama_gguf import LAYOUT, config_from_gguf
 from pipeline.models.names import LLAMA_LAYERS
 
 # ggml type -> (block size in weights, block size in bytes)
+K_BLOCKS = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # super-blocks, kept whole as `raw`
 BLOCKS = {
+    **K_BLOCKS,
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
     "Q5_0": (32, 22),
@@ -51,7 +54,7 @@ def split_blocks(
                 where,
                 f"a tensor type QLoRA keeps quantized ({', '.join(SUPPORTED_TYPES)})",
                 ggml_type,
-                "use recipe=lora (it dequantizes any type gguf-py knows), or a Q4_0/Q4_1/Q8_0 GGUF",
+                "use recipe=lora (it dequantizes any type gguf-py knows), or a Q4_K_M/Q4_1/Q8_0 GGUF",
             )
         )
     per_block, nbytes = BLOCKS[ggml_type]
@@ -65,6 +68,8 @@ def split_blocks(
         w = torch.from_numpy(np.array(raw.view(dtype).reshape(out_f, in_f)))
         return {"w": w.view(torch.bfloat16) if ggml_type == "BF16" else w}
     blocks = raw.reshape(-1, nbytes)
+    if ggml_type in K_BLOCKS:  # sliced per matmul by `dequantize_k` (the fields are not byte-aligned to 4)
+        return {"raw": torch.from_numpy(np.array(blocks))}
     fields: dict[str, torch.Tensor] = {}
     offset = 0
     layout = {
@@ -90,6 +95,8 @@ def dequantize(ggml_type: str, fields: dict[str, torch.Tensor], shape: tuple[int
     """The fp32 matrix of `shape`, with gguf-py's arithmetic (so equal to its output bit for bit)."""
     if "w" in fields:
         return fields["w"].float()
+    if "raw" in fields:
+        return dequantize_k(ggml_type, fields["raw"]).reshape(shape)
     d = fields["d"].float().unsqueeze(1)
     if ggml_type == "Q8_0":
         return fields["qs"].float().mul_(d).reshape(shape)
@@ -106,6 +113,46 @@ def dequantize(ggml_type: str, fields: dict[str, torch.Tensor], shape: tuple[int
     else:
         w = q.float().mul_(d).add_(fields["m"].float().unsqueeze(1))  # (d * q) + m, rounded per op as gguf-py
     return w.reshape(shape)
+
+
+def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of every block, as fp32 (n, 1)."""
+    return raw[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _shifted(q: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
+    """`(q[:, :, None, :] >> shifts[None, None, :, None]) & mask`: (n, groups, width) -> (n, groups, shifts, width)."""
+    s = torch.tensor(shifts, dtype=torch.uint8, device=q.device).view(1, 1, -1, 1)
+    return (q.unsqueeze(2) >> s) & mask
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit scales and mins of each super-block (gguf-py's `get_scale_min`)."""
+    d, m, m_d = scales.view(-1, 3, 4).unbind(1)
+    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def dequantize_k(ggml_type: str, raw: torch.Tensor) -> torch.Tensor:
+    """(n, 256) fp32 weights of n K-quant super-blocks `raw` (n, bytes), with gguf-py's operations in its
+    order (fp32 `d * sc`, then `d * q - dmin * m`), so equal to `gguf.quants.dequantize` bit for bit."""
+    n = raw.shape[0]
+    if ggml_type == "Q6_K":
+        ql, qh = raw[:, :128].reshape(n, 2, 64), raw[:, 128:192].reshape(n, 2, 32)
+        d = (_f16(raw, 208) * raw[:, 192:208].view(torch.int8).float()).view(n, 16, 1)
+        low = _shifted(ql, (0, 4), 0x0F).reshape(n, 8, 32)
+        high = _shifted(qh, (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
+        q = ((low | (high << 4)).view(torch.int8) - 32).view(n, 16, 16).float()
+        return (d * q).reshape(n, 256)
+    sc, mn = _scale_min_k4(raw[:, 4:16])
+    d = (_f16(raw, 0) * sc.float()).view(n, 8, 1)
+    dm = (_f16(raw, 2) * mn.float()).view(n, 8, 1)
+    qs = raw[:, -128:].reshape(n, 4, 32)
+    q = _shifted(qs, (0, 4), 0x0F).reshape(n, 8, 32)
+    if ggml_type == "Q5_K":
+        q = q | (_shifted(raw[:, 16:48].reshape(n, 1, 32), tuple(range(8)), 0x01).reshape(n, 8, 32) << 4)
+    return (d * q.float() - dm).reshape(n, 256)
 
 
 class _DequantLinear(torch.autograd.Function):

@@ -45,8 +45,13 @@ def require_llamacpp(dtype: str) -> None:
         )
 
 
-def llamacpp_quantize(src: Path, dst: str | os.PathLike[str], dtype: str, threads: int = 1) -> Path:
-    """`src` (an f32/f16 GGUF) quantized by llama.cpp into `dst` (written atomically), its logs muted."""
+def llamacpp_quantize(
+    src: Path, dst: str | os.PathLike[str], dtype: str, threads: int = 1, requantize: bool = False
+) -> Path:
+    """`src` (an f32/f16 GGUF) quantized by llama.cpp into `dst` (written atomically), its logs muted.
+
+    `requantize`: `src` may itself be quantized (llama-quantize --allow-requantize): its blocks are
+    dequantized and quantized again, e.g. a K-quant QLoRA base made from a Q4_1 donor."""
     require_llamacpp(dtype)
     import llama_cpp
     from llama_cpp._utils import suppress_stdout_stderr
@@ -54,6 +59,7 @@ def llamacpp_quantize(src: Path, dst: str | os.PathLike[str], dtype: str, thread
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, K_QUANTS[dtype])
     params.nthread = threads
+    params.allow_requantize = requantize
     with atomic_file(dst) as tmp:
         with suppress_stdout_stderr(disable=False):
             status = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))

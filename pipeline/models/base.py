@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, problem
-from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, select_targets
+from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
 
@@ -270,12 +270,13 @@ class DecoderLM(nn.Module):
         """Mean next-token cross-entropy (softmax in fp32) over targets that are not IGNORE_INDEX.
 
         With gradients on, the head and the softmax run chunked (`linear_cross_entropy`), so the
-        (tokens x vocab) fp32 logits are never materialised; without, the plain path.
+        (tokens x vocab) fp32 logits are never materialised; without, the plain path a chunk of rows
+        at a time (`linear_nll`).
         """
         h, t = select_targets(self.hidden(idx, segment_ids=segment_ids).flatten(0, 1), targets.flatten())
         if torch.is_grad_enabled():
             return linear_cross_entropy(h, self.head_weight(), t)
-        return F.cross_entropy(F.linear(h, self.head_weight()).float(), t)
+        return linear_nll(h, self.head_weight(), t)
 
     def distill_loss(
         self,

