@@ -25,7 +25,6 @@ from pipeline.gguf.chat import default_stop_ids
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import read_train_state
-from pipeline.models.decode import for_decoding
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import generate_ids
 from pipeline.parity import llamacpp_parity
@@ -61,7 +60,7 @@ def run_evaluate(
     if not is_rows(val):
         metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
         metrics.update(gap_closed(metrics, cfg.evaluate.baseline_val_loss))
-        return metrics, _text_samples(for_decoding(model, "fp32", dev), tok, cfg.evaluate)
+        return metrics, _text_samples(model, tok, cfg.evaluate)
     base = None
     if cfg.recipe.finetune:
         base, _ = load_gguf(donor)
@@ -72,8 +71,7 @@ def run_evaluate(
             base_val_ppl=math.exp(base_loss),
             val_loss_improvement=base_loss - metrics["val_loss"],
         )
-    base = None if base is None else for_decoding(base, "fp32", dev)
-    return metrics, _instruct_samples(for_decoding(model, "fp32", dev), base, g, tok, packed_dir, cfg)
+    return metrics, _instruct_samples(model, base, g, tok, packed_dir, cfg)
 
 
 def _val_metrics(
