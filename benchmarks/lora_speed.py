@@ -37,8 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("ours", "ours-ckpt", "hf", "qlora-q4_1", "qlora-q4_k_m")
+CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")
 
 
 def peak_rss_mib() -> float:
@@ -47,16 +49,15 @@ def peak_rss_mib() -> float:
 
 def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False):
     """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
-    import torch
-
     from pipeline.config import LoraConfig, OptimConfig
-    from pipeline.finetune.base import build_finetune
+    from pipeline.finetune.base import build_finetune, prepare_training
     from pipeline.training.optim import clip_gradients, make_optimizer
     from pipeline.training.runtime import autocast, enable_activation_checkpointing, keep_freed_memory
 
     keep_freed_memory()  # what the train loop does on CPU
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
     model = build_finetune(base, mode, lora).train()
+    prepare_training(model, mode, torch.bfloat16)  # as the train loop does for bf16
     if checkpointing:
         enable_activation_checkpointing(model)
     opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.0))
@@ -75,13 +76,22 @@ def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: boo
     return step
 
 
-def hf_step(args: argparse.Namespace, base: str):
-    """transformers + PEFT on the same GGUF: the usual loop (positions restart per packed example)."""
-    import torch
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions that restart at 0 where each packed example starts: absolute position
+    embeddings then see every example as they would see it alone."""
+    t = segment_ids.shape[-1]
+    index = torch.arange(t, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+def hf_step(args: argparse.Namespace, base: str, flat: bool = False):
+    """transformers + PEFT on the same GGUF: the usual loop (positions restart per packed example);
+    `flat`: the rows' real tokens as one padding-free sequence (as `DataCollatorWithFlattening` feeds it)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from pipeline.models.base import segment_positions
 
     path = Path(base)
     model = AutoModelForCausalLM.from_pretrained(
@@ -97,6 +107,9 @@ def hf_step(args: argparse.Namespace, base: str):
     def step(x, y, seg) -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             pos = segment_positions(seg)  # our rows' labels are already shifted: shift_labels takes them as they are
+            if flat:
+                real = seg != 0
+                x, y, pos = x[real][None], y[real][None], pos[real][None]
             loss = model(input_ids=x, labels=y, shift_labels=y, position_ids=pos).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -110,7 +123,6 @@ def hf_step(args: argparse.Namespace, base: str):
 def child(args: argparse.Namespace) -> dict:
     """One contender in this process: `--steps` steps after `--warmup`; figures as a dict."""
     sys.path.insert(0, str(ROOT))
-    import torch
 
     from pipeline.data.packed import load_rows
     from pipeline.training.batches import RowSampler
@@ -118,8 +130,8 @@ def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    if args.child == "hf":
-        step = hf_step(args, args.base)
+    if args.child.startswith("hf"):
+        step = hf_step(args, args.base, flat=args.child == "hf-flat")
     else:
         mode = "qlora" if args.child.startswith("qlora") else "lora"
         step = ours_step(args, args.base, mode, checkpointing=args.child == "ours-ckpt")

@@ -15,6 +15,7 @@ from pipeline.data.packed import load_data, load_meta
 from pipeline.data.teacher import TeacherCache
 from pipeline.errors import ConfigError, problem
 from pipeline.files import atomic_dir
+from pipeline.finetune.base import prepare_training
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
 from pipeline.teach import load_donor
 from pipeline.training import distributed as dist
@@ -51,18 +52,7 @@ def run_train(
     `plan` (from `training.resume.plan_checkpoints`) turns on checkpointing and resume. With
     distillation on, the teacher is the cache in `teach_dir` (cached) or the `donor` GGUF (online).
     """
-    model = load_model_dir(init_dir)
-    vocab = load_meta(packed_dir).vocab_size  # for images: the number of classes
-    key = "n_classes" if model.cfg.arch == "vit" else "vocab_size"
-    if vocab != getattr(model.cfg, key):
-        raise ConfigError(
-            problem(
-                str(Path(init_dir) / CONFIG_FILE),
-                f"{key} {vocab} (packed data)",
-                str(getattr(model.cfg, key)),
-                "re-run realize after pack",
-            )
-        )
+    model, vocab = load_for_training(init_dir, packed_dir, tcfg)
     hooks = hooks or Hooks()
     try:
         data = load_data(packed_dir, "train"), load_data(packed_dir, "val")
@@ -94,6 +84,25 @@ def run_train(
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, result.weights, spec, optimizer_state=result.optimizer_state, train_state=state)
     return result
+
+
+def load_for_training(init_dir: Path, packed_dir: Path, tcfg: TrainConfig) -> tuple[nn.Module, int]:
+    """The model realize wrote, ready for this run's precision, and the data's vocabulary (or classes)."""
+    model = load_model_dir(init_dir)
+    if is_finetune_dir(init_dir):
+        prepare_training(model, read_spec(init_dir).mode, torch.bfloat16 if tcfg.precision == "bf16" else torch.float32)
+    vocab = load_meta(packed_dir).vocab_size  # for images: the number of classes
+    key = "n_classes" if model.cfg.arch == "vit" else "vocab_size"
+    if vocab != getattr(model.cfg, key):
+        raise ConfigError(
+            problem(
+                str(Path(init_dir) / CONFIG_FILE),
+                f"{key} {vocab} (packed data)",
+                str(getattr(model.cfg, key)),
+                "re-run realize after pack",
+            )
+        )
+    return model, vocab
 
 
 def load_teacher(

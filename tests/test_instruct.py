@@ -26,8 +26,8 @@ from pipeline.data.pydoc_qa import pydoc_pairs, write_pydoc_instruct
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.base import TransformerConfig, init_weights, segment_causal_mask
-from pipeline.models.llama import Llama, apply_rope, rope_tables
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.llama import Llama
 from pipeline.models.losses import IGNORE_INDEX
 from pipeline.training.batches import RowSampler
 from tests.helpers import masked_cross_entropy
@@ -233,25 +233,6 @@ def test_packing_keeps_examples_whole_and_separate() -> None:
     assert y.tolist()[0] == [-100, 3, 4, -100, 6, 7, -100, -100]
     x1, _, seg1 = pack_examples(encoded, seq_len=8, pad_id=0, pack=False)
     assert x1.shape == (3, 8) and seg1.max() == 1
-
-
-def test_segment_mask_makes_packed_attention_equal_separate_attention() -> None:
-    seg = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
-    mask = segment_causal_mask(seg)
-    assert mask.shape == (1, 1, 8, 8) and mask.dtype == torch.bool
-    assert mask[0, 0].int().tolist()[4] == [0, 0, 0, 1, 1, 0, 0, 0]
-    assert mask[0, 0, 7].tolist() == [False] * 7 + [True]  # padding sees itself only
-    cfg = TransformerConfig(vocab_size=8, d_model=16, n_layer=1, n_head=2, n_kv_head=2, d_ff=16, context_length=16)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    cos, sin = (t.double() for t in rope_tables(cfg, 8, torch.device("cpu")))
-    packed = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attn_mask=mask)
-    # the second example alone, with positions restarting at 0: same result (RoPE is relative)
-    s = slice(3, 7)
-    alone = F.scaled_dot_product_attention(
-        apply_rope(q[:, :, s], cos[:4], sin[:4]), apply_rope(k[:, :, s], cos[:4], sin[:4]), v[:, :, s], is_causal=True
-    )
-    torch.testing.assert_close(packed[:, :, s], alone, atol=1e-6, rtol=1e-6)  # fp32 angles
 
 
 def test_packed_data_round_trips_and_samples(tmp_path: Path, tok, smollm2: GGUFFile) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import LoraConfig, OptimConfig
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.finetune.base import load_base
+from pipeline.finetune.base import load_base, prepare_training
 from pipeline.finetune.lora import (
     AdapterError,
     LoRALinear,
@@ -23,6 +23,7 @@ from pipeline.finetune.lora import (
     lora_state_dict,
     merge_lora,
 )
+from pipeline.finetune.lora import dropout as lora_dropout
 from pipeline.finetune.quant import QuantLinear, dequantize, load_quantized_base, split_blocks
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
@@ -269,6 +270,51 @@ def test_qlora_trains_adapters_only_and_keeps_blocks(tmp_path: Path) -> None:
         merged = merge_lora(model)
         assert all(isinstance(m.attn.wq, torch.nn.Linear) for m in merged.blocks)
         torch.testing.assert_close(merged(x), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_dropout_drops_p_of_inputs_scales_the_rest_and_masks_the_gradient() -> None:
+    x = torch.randn(400, 500, requires_grad=True)
+    torch.manual_seed(0)
+    y = lora_dropout(x, 0.05, True)
+    dropped = y == 0
+    assert abs(dropped.float().mean().item() - 0.05) < 0.003  # 200k draws: 5 sigma is 0.0024
+    torch.testing.assert_close(y[~dropped], x[~dropped] / 0.95)
+    y.sum().backward()
+    assert torch.equal(x.grad == 0, dropped) and torch.allclose(x.grad[~dropped], torch.tensor(1 / 0.95))
+    torch.manual_seed(0)
+    assert torch.equal(lora_dropout(x, 0.05, True), y)  # seeded: a resumed run draws the same masks
+    assert lora_dropout(x, 0.05, False) is x and lora_dropout(x, 0.0, True) is x
+
+
+def test_lora_matmul_cache_equals_qlora_and_keeps_fp32_exact(tmp_path: Path) -> None:
+    """recipe=lora holds qlora's blocks plus one bf16 copy for bf16 matmuls: its losses and gradients
+    equal qlora's exactly, fp32 matmuls still rebuild the exact weights, and the copy is no saved state."""
+    path = write_tiny_base(tmp_path / "q8.gguf", "Q8_0")
+    models = [load_base(path, mode)[0] for mode in ("lora", "qlora")]
+    for m in models:
+        attach_lora(m, LoraConfig(rank=4, alpha=8, targets=ALL, dropout=0.0))
+        with torch.no_grad():
+            for p in lora_parameters(m):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    lora, qlora = models
+    prepare_training(lora, "lora", torch.bfloat16)
+    prepare_training(qlora, "qlora", torch.bfloat16)
+    layer = lora.blocks[0].ffn.up.base
+    assert layer.cached.dtype == torch.bfloat16 and qlora.blocks[0].ffn.up.base.cached is None
+    assert layer.weight_as(torch.bfloat16) is layer.cached
+    assert torch.equal(layer.weight_as(torch.float32), layer.dequantize())
+    assert not any("cached" in k for k in lora.state_dict())
+    x, y = batch(7)
+    losses = []
+    for m in models:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(m.loss(x, y))
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for a, b in zip(lora_parameters(lora), lora_parameters(qlora)):
+        assert torch.equal(a.grad, b.grad)
+    with torch.no_grad():  # fp32 (validation): the exact weights, not the bf16 copy
+        assert torch.equal(lora(x), qlora(x))
 
 
 @pytest.fixture(scope="module")

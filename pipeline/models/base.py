@@ -21,6 +21,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError, problem
 from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
+from pipeline.models.varlen import PackedRows
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
 
@@ -141,46 +142,27 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor | None
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
-def segment_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) segment ids -> (B, 1, T, T) bool, True where query i may attend key j: same segment
-    and j <= i. Padding (segment 0) attends to padding only, so no row of the mask is empty."""
-    t = segment_ids.shape[-1]
-    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
-    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
-    return (same & causal).unsqueeze(1)
-
-
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions that restart at 0 where each packed example starts: absolute position
-    embeddings then see every example as they would see it alone."""
-    t = segment_ids.shape[-1]
-    index = torch.arange(t, device=segment_ids.device).expand_as(segment_ids)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - first
-
-
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cache: KVCache | None,
     layer: int,
-    mask: torch.Tensor | None,
+    rows: PackedRows | None,
 ) -> torch.Tensor:
-    """Causal (or `mask`ed) attention of (B, H, T, D) queries over the keys, cached ones included.
+    """Causal attention of (B, H, T, D) queries over the keys, cached ones included; with `rows`
+    (packed examples, padding dropped: B = 1) each example attends to itself only.
 
     Grouped-query attention: query head h reads kv head h // groups, as llama.cpp does.
     """
+    if rows is not None:
+        return rows.attend(q, k, v)
     if cache is not None:
         k, v = cache.append(layer, k, v)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], k.shape[2], q.device))
@@ -199,9 +181,9 @@ class Block(nn.Module):
         rope: Rope = None,
         cache: KVCache | None = None,
         layer: int = 0,
-        mask: torch.Tensor | None = None,
+        rows: PackedRows | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, layer, mask)
+        x = x + self.attn(self.attn_norm(x), rope, cache, layer, rows)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -228,8 +210,9 @@ class DecoderLM(nn.Module):
         self.norm = norm
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Input of the first block for tokens at positions start.. (and the RoPE tables, if any)."""
+    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
+        """Input of the first block for tokens at positions start.., or at `positions` (one per token of
+        `idx` (1, N): packed examples), and the RoPE tables, if any."""
         raise NotImplementedError
 
     def tokens(self, idx: torch.Tensor) -> torch.Tensor:
@@ -242,25 +225,27 @@ class DecoderLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embedding_table() if self.head is None else self.head.weight
 
-    def hidden(
-        self, idx: torch.Tensor, cache: KVCache | None = None, segment_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens.
-
-        `segment_ids` (B, T) keeps attention (and positions) inside each packed example.
-        """
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d_model); with a cache, `idx` continues the cached tokens."""
         start = 0 if cache is None else cache.length
         if start + idx.shape[1] > self.cfg.context_length:
             raise ValueError(
                 f"sequence of {start + idx.shape[1]} tokens exceeds context_length {self.cfg.context_length}"
             )
-        if segment_ids is not None and cache is not None:
-            raise ValueError("segment_ids are for training rows, not for cached decoding")
-        mask = None if segment_ids is None else segment_causal_mask(segment_ids)
-        x, rope = self.embed(idx, start, segment_ids)
+        x, rope = self.embed(idx, start, None)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache, i, mask)
+            x = block(x, rope, cache, i)
         return self.norm(x)
+
+    def packed_hidden(self, idx: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+        """Final-norm hidden states (N, d_model) of the real tokens of packed rows `idx` (B, T): padding
+        is never computed, each example sees only itself, positions restart at each example."""
+        if idx.shape[1] > self.cfg.context_length:
+            raise ValueError(f"rows of {idx.shape[1]} tokens exceed context_length {self.cfg.context_length}")
+        x, rope = self.embed(rows.select(idx).unsqueeze(0), 0, rows.positions)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, None, i, rows)
+        return self.norm(x)[0]
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab)."""
@@ -273,7 +258,11 @@ class DecoderLM(nn.Module):
         (tokens x vocab) fp32 logits are never materialised; without, the plain path a chunk of rows
         at a time (`linear_nll`).
         """
-        h, t = select_targets(self.hidden(idx, segment_ids=segment_ids).flatten(0, 1), targets.flatten())
+        if segment_ids is None:
+            h, t = select_targets(self.hidden(idx).flatten(0, 1), targets.flatten())
+        else:  # packed rows: only the real tokens are computed (`pipeline.models.varlen`)
+            rows = PackedRows(segment_ids)
+            h, t = select_targets(self.packed_hidden(idx, rows), rows.select(targets))
         if torch.is_grad_enabled():
             return linear_cross_entropy(h, self.head_weight(), t)
         return linear_nll(h, self.head_weight(), t)

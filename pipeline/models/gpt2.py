@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend, segment_positions
+from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
+from pipeline.models.varlen import PackedRows
 
 
 class Attention(nn.Module):
@@ -30,14 +31,14 @@ class Attention(nn.Module):
         rope: Rope = None,
         cache: KVCache | None = None,
         layer: int = 0,
-        mask: torch.Tensor | None = None,
+        rows: PackedRows | None = None,
     ) -> torch.Tensor:
-        """`rope` is unused (positions are added at the input); `mask` as in llama's attention."""
+        """`rope` is unused (positions are added at the input); `rows` as in llama's attention."""
         b, t, d = x.shape
         q, k, v = (
             z.view(b, t, self.cfg.n_head, self.cfg.head_dim).transpose(1, 2) for z in self.qkv(x).split(d, dim=2)
         )
-        y = attend(q, k, v, cache, layer, mask)
+        y = attend(q, k, v, cache, layer, rows)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -73,10 +74,8 @@ class GPT2(DecoderLM):
         )
         self._output(cfg, nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps))
 
-    def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Token plus position vectors; packed examples (segment ids) each start at position 0."""
-        if segment_ids is None:
+    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
+        """Token plus position vectors; packed examples (`positions`) each start at position 0."""
+        if positions is None:
             positions = torch.arange(start, start + idx.shape[1], device=idx.device)
-        else:
-            positions = segment_positions(segment_ids)
         return self.tokens(idx) + self.pos_embd(positions), None

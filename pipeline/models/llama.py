@@ -12,6 +12,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
+from pipeline.models.varlen import PackedRows
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm keeping only its input and one scale per row for backward (autograd's own graph of the
+    fp32 ops kept three fp32 copies of each row: a quarter of a LoRA step's activation memory)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat, g = x.float() * rstd, grad.float()
+        gw = g * weight.float()
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.to(x.dtype), dw, None
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
 
 
 def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +59,31 @@ def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> t
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x0,x1),(x2,x3)...; x is (B, H, T, D)."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """The rotation's backward is the rotation by the opposite angles: nothing but the tables is kept
+    (autograd's graph of the fp32 ops kept two fp32 copies of q and of k)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x0,x1),(x2,x3)...; x is (B, H, T, D), cos/sin (T, D/2) in fp32."""
+    return _Rope.apply(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -65,9 +104,9 @@ class Attention(nn.Module):
         rope: Rope,
         cache: KVCache | None = None,
         layer: int = 0,
-        mask: torch.Tensor | None = None,
+        rows: PackedRows | None = None,
     ) -> torch.Tensor:
-        """`mask` (B, 1, T, T) bool, True = may attend, replaces the causal mask (packed examples)."""
+        """`rows`: x (1, N, d) holds the real tokens of packed rows, each example attends to itself only."""
         b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.wq(x).view(b, t, self.cfg.n_head, hd).transpose(1, 2)
@@ -75,8 +114,26 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(q, k, v, cache, layer, mask)
+        y = attend(q, k, v, cache, layer, rows)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(g) * u keeping only g and u for backward (autograd's graph also kept silu(g): a third of
+    the feed-forward's activation memory)."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u = ctx.saved_tensors
+        gf, sig = g.float(), torch.sigmoid(g.float())
+        grad_u = (grad.float() * gf * sig).to(u.dtype)
+        grad_g = (grad.float() * u.float() * sig * (1 + gf * (1 - sig))).to(g.dtype)
+        return grad_g, grad_u
 
 
 class FeedForward(nn.Module):
@@ -89,7 +146,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(_SwiGLU.apply(self.gate(x), self.up(x)))
 
 
 class Llama(DecoderLM):
@@ -108,8 +165,10 @@ class Llama(DecoderLM):
         )
         self._output(cfg, RMSNorm(cfg.d_model, cfg.norm_eps))
 
-    def embed(self, idx: torch.Tensor, start: int, segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Token vectors and the RoPE tables of positions start..; RoPE scores depend only on
-        relative positions, so packed examples need no restart."""
-        cos, sin = rope_tables(self.cfg, start + idx.shape[1], idx.device)
-        return self.tokens(idx), (cos[start:], sin[start:])
+    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
+        """Token vectors and the RoPE tables of positions start.. (or of `positions`, one per token)."""
+        if positions is None:
+            cos, sin = rope_tables(self.cfg, start + idx.shape[1], idx.device)
+            return self.tokens(idx), (cos[start:], sin[start:])
+        cos, sin = rope_tables(self.cfg, int(positions.max()) + 1, idx.device)
+        return self.tokens(idx), (cos[positions], sin[positions])

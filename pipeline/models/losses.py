@@ -33,6 +33,7 @@ import torch
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
+CHUNK_BYTES = 32 * 2**20  # ... and at most this many bytes of logits (bf16 at a 49k vocabulary: 341 rows)
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
 _TAIL_FLOOR = 1e-30  # the student's tail mass divides its tail gradient; below this it is 0 in all but name
@@ -102,13 +103,16 @@ def _softmax_nll_(z: torch.Tensor, targets: torch.Tensor, buf: torch.Tensor | No
 
 
 def linear_cross_entropy(
-    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int = DEFAULT_CHUNK
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
 ) -> torch.Tensor:
     """mean CE of `h @ w.T` against `targets`; h (N, d), w (V, d), targets (N,).
 
-    Matmuls run in bf16 when autocast is on (as the plain path would), softmax in fp32.
+    Matmuls run in bf16 when autocast is on (as the plain path would), softmax in fp32. `chunk` rows
+    at a time: by default as many as `CHUNK_BYTES` of logits hold (up to `DEFAULT_CHUNK`).
     """
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
+    if chunk is None:
+        chunk = max(BLOCK, min(DEFAULT_CHUNK, CHUNK_BYTES // (w.shape[0] * dtype.itemsize)))
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
 
 

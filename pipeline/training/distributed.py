@@ -155,4 +155,6 @@ def wrap(module: nn.Module, mode: str, info: DistInfo, device: torch.device) -> 
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=ids)
+    # buffers are constants every rank loads alike (a fine-tune's frozen blocks and their cached copies:
+    # hundreds of MB), so they are not re-broadcast at every forward
+    return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)

@@ -96,9 +96,12 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def compile_blocks(model: nn.Module) -> None:
-    """torch.compile each block in place (names unchanged); the chunked loss stays eager."""
+    """torch.compile each block in place (names unchanged); the chunked loss stays eager.
+
+    Static shapes first; a second shape (packed rows: the real tokens' count varies by batch) makes
+    that dimension dynamic instead of compiling once per count."""
     for block in getattr(model, "blocks", []):
-        block.compile(dynamic=False)
+        block.compile(dynamic=None)
 
 
 @contextmanager

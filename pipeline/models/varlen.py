@@ -1,0 +1,103 @@
+"""Padding-free attention for packed rows: every example attends only to itself, no padding is computed.
+
+Packed instruction rows hold one or more examples and end in padding (segment 0): on real data a
+third or more of a row. `PackedRows` drops the padding before the first block (the model runs on the
+N real tokens as one sequence), and attention runs per example: the examples are gathered into
+(examples, length) batches, grouped by length so short ones are not padded to the longest, and each
+batch attends causally. Mathematically this is the block-diagonal mask; the work is the examples'
+own (no T x T matrix per row, no padding rows through the matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# A bucket's (examples x length^2) at most this goes through plain matmuls (its attention matrices
+# kept for backward: ~4.7 MB a layer at 9 heads); larger ones through SDPA's fused kernel, which
+# keeps none (on CPU measured 3-4x slower for short examples, about equal at 512 tokens).
+MATH_LIMIT = 2**18
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Examples of similar length: `gather` (S, L) indexes the kept tokens (padded slots repeat the
+    example's first token: causal attention never lets a real token see them), `scatter` (n,) the
+    place of each of the bucket's tokens in the flattened (S*L) batch."""
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    tokens: torch.Tensor  # (n,) indices of the bucket's tokens among the kept ones
+
+
+class PackedRows:
+    """The real tokens of (B, T) packed rows and how they split into examples."""
+
+    def __init__(self, segment_ids: torch.Tensor):
+        seg = segment_ids.reshape(-1)
+        self.keep = torch.nonzero(seg != 0).squeeze(1)  # flat (B*T) index of each real token
+        row = self.keep // segment_ids.shape[-1]
+        ids = row * (int(segment_ids.max()) + 1) + seg[self.keep]  # unique per (row, example)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[1:] = ids[1:] != ids[:-1]
+        first = torch.nonzero(starts).squeeze(1)
+        lengths = torch.diff(first, append=torch.tensor([len(ids)], device=ids.device))
+        example = torch.cumsum(starts.long(), 0) - 1
+        self.positions = torch.arange(len(ids), device=ids.device) - first[example]  # restart at each example
+        self.buckets = _buckets(first, lengths, example, self.positions)
+        order = torch.cat([b.tokens for b in self.buckets])
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(len(order), device=order.device)
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        """The real tokens' entries of a (B, T, ...) tensor, as (N, ...)."""
+        return t.flatten(0, 1).index_select(0, self.keep)
+
+    @torch.compiler.disable  # a loop over this batch's buckets: compiled blocks call it as it is
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(1, H, N, D) queries, (1, KV, N, D) keys/values -> (1, H, N, D), each example causal alone."""
+        q, k, v = (z[0].transpose(0, 1) for z in (q, k, v))  # (N, heads, D)
+        outs = []
+        for b in self.buckets:  # index_select: its backward (index_add) is far cheaper than indexing's
+            s, length = b.gather.shape
+            qb, kb, vb = (z.index_select(0, b.gather.flatten()).view(s, length, *z.shape[1:]) for z in (q, k, v))
+            y = causal_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))  # (S, heads, L, D)
+            outs.append(y.transpose(1, 2).reshape(s * length, *y.shape[1:2], y.shape[3]).index_select(0, b.scatter))
+        out = torch.cat(outs).index_select(0, self.inverse) if len(outs) > 1 else outs[0]
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, positions: torch.Tensor) -> list:
+    """Examples grouped by length (powers of two): each group padded only to its own longest."""
+    group = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+    out = []
+    for g in torch.unique(group).tolist():
+        members = torch.nonzero(group == g).squeeze(1)  # example indices
+        length = int(lengths[members].max())
+        slots = torch.arange(length, device=first.device)
+        gather = torch.where(slots < lengths[members, None], first[members, None] + slots, first[members, None])
+        slot_of = torch.full_like(example, -1)
+        slot_of[members] = torch.arange(len(members), device=first.device)
+        tokens = torch.nonzero(slot_of[example] >= 0).squeeze(1)
+        scatter = slot_of[example[tokens]] * length + positions[tokens]
+        out.append(Bucket(gather, scatter, tokens))
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of (S, H, L, D) queries over (S, KV, L, D) keys/values."""
+    s, h, length, d = q.shape
+    kv = k.shape[1]
+    if s * length * length > MATH_LIMIT:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kv)
+    groups = h // kv  # query head i reads kv head i // groups: a kv head's queries are consecutive
+    scores = (q * d**-0.5).reshape(s, kv, groups * length, d) @ k.transpose(-1, -2)
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    scores = scores.view(s, kv, groups, length, length).masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(s, kv, groups * length, length)
+    return (probs @ v).view(s, h, length, d)

@@ -1,0 +1,112 @@
+"""Padding-free packed rows (`pipeline.models.varlen`): the loss and its gradients over packed rows equal
+those of each example run alone, for both architectures, through both attention paths, and the fused
+llama ops (RMSNorm, RoPE, SwiGLU) equal autograd's own graph of the same math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.models import varlen
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.gpt2 import GPT2
+from pipeline.models.llama import Llama, _RMSNorm, _rotate, _SwiGLU, apply_rope
+from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.varlen import PackedRows
+
+CFG = TransformerConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=48, context_length=64)
+
+
+def rows_of(lengths_per_row: list[list[int]], t: int, seed: int = 0):
+    """Random packed rows: the examples' lengths per row, then padding; labels on each example's second half."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, CFG.vocab_size, (len(lengths_per_row), t), generator=g)
+    y = torch.full_like(x, IGNORE_INDEX)
+    seg = torch.zeros_like(x)
+    for r, lengths in enumerate(lengths_per_row):
+        at = 0
+        for i, n in enumerate(lengths):
+            seg[r, at : at + n] = i + 1
+            y[r, at + n // 2 : at + n] = torch.randint(0, CFG.vocab_size, (n - n // 2,), generator=g)
+            at += n
+    return x, y, seg
+
+
+def alone(model, x, y, seg):
+    """Sum of each example's loss run by itself (no packing, no padding) and its labelled-position count."""
+    total, count = 0.0, 0
+    for r in range(x.shape[0]):
+        for s in seg[r].unique().tolist():
+            if s == 0:
+                continue
+            idx = (seg[r] == s).nonzero().squeeze(1)
+            n = int((y[r, idx] != IGNORE_INDEX).sum())
+            if n:
+                total = total + model.loss(x[r, idx][None], y[r, idx][None]) * n
+                count += n
+    return total, count
+
+
+@pytest.mark.parametrize("arch", [Llama, GPT2])
+@pytest.mark.parametrize("math_limit", [2**18, 0])  # plain matmuls / SDPA's fused kernel for every bucket
+def test_packed_loss_and_gradients_equal_each_example_alone(arch, math_limit, monkeypatch) -> None:
+    monkeypatch.setattr(varlen, "MATH_LIMIT", math_limit)
+    model = arch(CFG)
+    init_weights(model, 0.2, seed=0)
+    # lengths 3..64 fall into five power-of-two buckets; the middle row is one example, no padding
+    x, y, seg = rows_of([[5, 17, 3], [64], [9, 30, 25]], t=64)
+    packed = model.loss(x, y, seg)
+    g_packed = torch.autograd.grad(packed, list(model.parameters()))
+    total, count = alone(model, x, y, seg)
+    reference = total / count
+    g_alone = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_packed, g_alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_rows_drop_padding_and_restart_positions() -> None:
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    rows = PackedRows(seg)
+    assert len(rows) == 12 and rows.keep.tolist() == [0, 1, 2, 3, 4] + list(range(7, 14))
+    assert rows.positions.tolist() == [0, 1, 2, 0, 1] + list(range(7))
+    # three examples of lengths 3, 2, 7: buckets by power of two, each example in exactly one
+    sizes = sorted(tuple(b.gather.shape) for b in rows.buckets)
+    assert sizes == [(1, 2), (1, 3), (1, 7)]
+    assert sorted(torch.cat([b.tokens for b in rows.buckets]).tolist()) == list(range(12))
+
+
+def test_causal_attention_paths_agree_with_sdpa() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 20, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    reference = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True)
+    torch.testing.assert_close(varlen.causal_attention(q, k, v), reference)
+
+
+def test_fused_llama_ops_equal_autograd_of_the_same_math() -> None:
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding apart (ours rounds once, from fp32)
+        x = torch.randn(2, 5, 64, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(64, generator=g).requires_grad_()
+        grad = torch.randn(2, 5, 64, generator=g).to(dtype)
+        ours = _RMSNorm.apply(x, w, 1e-5)
+        xf = x.float()
+        plain = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(dtype)
+        assert torch.equal(ours, plain)
+        for a, b in zip(torch.autograd.grad(ours, (x, w), grad), torch.autograd.grad(plain, (x, w), grad)):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+        angles = torch.rand(5, 4, generator=g) * 6
+        q = torch.randn(1, 3, 5, 8, generator=g).to(dtype).requires_grad_()
+        gq = torch.randn(1, 3, 5, 8, generator=g).to(dtype)
+        ours, plain = apply_rope(q, angles.cos(), angles.sin()), _rotate(q, angles.cos(), angles.sin())
+        assert torch.equal(ours, plain)
+        torch.testing.assert_close(torch.autograd.grad(ours, q, gq)[0], torch.autograd.grad(plain, q, gq)[0])
+        a, b = (torch.randn(7, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+        gs = torch.randn(7, 16, generator=g).to(dtype)
+        ours, plain = _SwiGLU.apply(a, b), F.silu(a) * b
+        assert torch.equal(ours, plain)
+        for p, r in zip(torch.autograd.grad(ours, (a, b), gs), torch.autograd.grad(plain, (a, b), gs)):
+            torch.testing.assert_close(p.float(), r.float(), atol=tol, rtol=tol)
