@@ -7,7 +7,12 @@ fine-tune the base GGUF's NLL on the same rows is measured beside it.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +27,11 @@ from pipeline.data.teacher import read_meta as read_teach_meta
 from pipeline.errors import PipelineError
 from pipeline.files import sha256_file
 from pipeline.gguf.chat import default_stop_ids
-from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.modeldir import read_train_state
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import generate_ids
-from pipeline.parity import llamacpp_parity
+from pipeline.parity import check_parity, our_logits, parity_windows
 from pipeline.training.runtime import pick_device
 from pipeline.training.validation import response_nll, validation_loss
 
@@ -48,30 +52,104 @@ def run_evaluate(
 
     With llama-cpp-python installed, also llama.cpp's agreement with us on the first val windows
     (pipeline.parity; a mean KL above `evaluate.llamacpp_max_kl` fails).
+
+    One model at a time (the stage's peak RSS, README "Fine-tuning"): the tuned model does all its
+    work and is freed, then llama.cpp loads the file, then the base.
     """
-    model, g = load_gguf(gguf)
     dev = pick_device(cfg.train.device)
-    model.to(dev)
     val = load_data(packed_dir, "val")
-    metrics = _val_metrics(model, val, cfg, dev, train_dir, gguf)
-    ecfg = cfg.evaluate
-    metrics.update(llamacpp_parity(gguf, model, val, cfg.train.seq_len, ecfg.llamacpp_windows, ecfg.llamacpp_max_kl))
-    tok = tokenizer_from_gguf(g)
+    windows = parity_windows(val, cfg.train.seq_len, cfg.evaluate.llamacpp_windows)
+    tuned = _tuned(gguf, val, windows, packed_dir, train_dir, cfg, dev)
+    release_memory()
+    metrics = tuned.metrics
+    metrics.update(check_parity(gguf, windows, tuned.logits, cfg.evaluate.llamacpp_max_kl))
+    release_memory()  # llama.cpp's buffers
     if not is_rows(val):
         metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
         metrics.update(gap_closed(metrics, cfg.evaluate.baseline_val_loss))
-        return metrics, _text_samples(model, tok, cfg.evaluate)
-    base = None
-    if cfg.recipe.finetune:
-        base, _ = load_gguf(donor)
-        base.to(dev)
-        base_loss = response_nll(base, val, cfg.train.batch_size, dev)
-        metrics.update(
-            base_val_loss=base_loss,
-            base_val_ppl=math.exp(base_loss),
-            val_loss_improvement=base_loss - metrics["val_loss"],
-        )
-    return metrics, _instruct_samples(model, base, g, tok, packed_dir, cfg)
+    elif cfg.recipe.finetune:
+        metrics.update(_base(donor, val, tuned, cfg, dev))
+    return metrics, tuned.samples
+
+
+@dataclass
+class _Tuned:
+    """What evaluate keeps of the tuned model once it is freed."""
+
+    metrics: dict[str, float]
+    samples: list[dict[str, str]]
+    logits: list[torch.Tensor]  # ours over the parity windows, for llama.cpp to be compared with
+    tok: GGUFTokenizer
+    prompts: list[list[int]]  # instruct data: the formatted held-out prompts the base answers too
+
+
+def _tuned(
+    gguf: Path,
+    val: np.ndarray | Packed,
+    windows: list[list[int]],
+    packed_dir: Path,
+    train_dir: Path,
+    cfg: PipelineConfig,
+    dev: torch.device,
+) -> _Tuned:
+    """The tuned model's val metrics, its logits over the parity windows and its samples."""
+    model, g = load_gguf(gguf)
+    g.release_pages()  # the weights are copied out; the file's pages would count a second time
+    model.to(dev)
+    metrics = _val_metrics(model, val, cfg, dev, train_dir, gguf)
+    logits = our_logits(model, windows)
+    tok = tokenizer_from_gguf(g)
+    if not is_rows(val):
+        return _Tuned(metrics, _text_samples(model, tok, cfg.evaluate), logits, tok, [])
+    examples = read_instruct_jsonl(Path(packed_dir) / "val.jsonl")[: len(cfg.evaluate.prompts)]
+    fmt = Formatter(tok, g.metadata, cfg.data)
+    prompts = [fmt.encode(ex)[0] for ex in examples]
+    samples = []
+    for ex, ids in zip(examples, prompts):
+        sample = {"prompt": ex.messages[-1]["content"], "reference": ex.response}
+        sample["tuned"] = _answer(model, tok, ids, cfg.evaluate.max_new_tokens)
+        samples.append(sample)
+    return _Tuned(metrics, samples, logits, tok, prompts)
+
+
+def _base(donor: Path, val: Packed, tuned: _Tuned, cfg: PipelineConfig, dev: torch.device) -> dict[str, float]:
+    """The base's (`donor`'s) held-out response NLL beside the tuned one, and its greedy answers
+    added to the tuned model's samples."""
+    base, g = load_gguf(donor)
+    g.release_pages()
+    base.to(dev)
+    base_loss = response_nll(base, val, cfg.train.batch_size, dev)
+    for sample, ids in zip(tuned.samples, tuned.prompts):
+        sample["base"] = _answer(base, tuned.tok, ids, cfg.evaluate.max_new_tokens)
+    return {
+        "base_val_loss": base_loss,
+        "base_val_ppl": math.exp(base_loss),
+        "val_loss_improvement": base_loss - tuned.metrics["val_loss"],
+    }
+
+
+def _answer(model: nn.Module, tok: GGUFTokenizer, ids: list[int], max_new_tokens: int) -> str:
+    """A greedy chat answer, up to the end of the assistant's turn."""
+    return tok.decode(generate_ids(model, ids, max_new_tokens, stop_ids=default_stop_ids(tok, chat=True)))
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the OS: collect cycles, then (glibc) return the malloc arenas'
+    free pages, which a freed model's many mid-sized tensors otherwise keep in RSS."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, None where the C library has none (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # the process's own symbols, libc's among them
+    except (OSError, AttributeError):
+        return None
 
 
 def _val_metrics(
@@ -133,23 +211,4 @@ def _text_samples(model: nn.Module, tok: GGUFTokenizer, ecfg: EvaluateConfig) ->
         greedy = generate_ids(model, ids, ecfg.max_new_tokens, stop_ids=stops)
         sampled = generate_ids(model, ids, ecfg.max_new_tokens, ecfg.temperature, ecfg.top_k, ecfg.seed, stops)
         samples.append({"prompt": prompt, "greedy": tok.decode(greedy), "sampled": tok.decode(sampled)})
-    return samples
-
-
-def _instruct_samples(
-    model: nn.Module, base: nn.Module | None, g: GGUFFile, tok: GGUFTokenizer, packed_dir: Path, cfg: PipelineConfig
-) -> list[dict[str, str]]:
-    """Greedy answers of the tuned model (and the base) to the first held-out prompts."""
-    examples = read_instruct_jsonl(Path(packed_dir) / "val.jsonl")[: len(cfg.evaluate.prompts)]
-    fmt = Formatter(tok, g.metadata, cfg.data)
-    stops = default_stop_ids(tok, chat=True)
-    n = cfg.evaluate.max_new_tokens
-    samples = []
-    for ex in examples:
-        ids, _ = fmt.encode(ex)
-        sample = {"prompt": ex.messages[-1]["content"], "reference": ex.response}
-        sample["tuned"] = tok.decode(generate_ids(model, ids, n, stop_ids=stops))
-        if base is not None:
-            sample["base"] = tok.decode(generate_ids(base, ids, n, stop_ids=stops))
-        samples.append(sample)
     return samples

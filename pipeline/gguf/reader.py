@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,14 @@ class GGUFFile:
         self._order = header.order
         self.metadata: dict[str, Any] = {k: f.value for k, f in self._fields.items() if not k.startswith("GGUF.")}
         self._tensors: dict[str, HeaderTensor] = {t.name: t for t in header.tensors}
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the file once a loader has copied the tensors out:
+        they stay in the OS page cache and a later read faults them back in, but until then an fp32
+        model loaded from an f32 file is counted twice in RSS (its tensors and the mapped file)."""
+        mapped = getattr(self._data, "_mmap", None)  # np.memmap's mmap.mmap (None for an empty map)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:
