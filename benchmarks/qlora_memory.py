@@ -1,9 +1,10 @@
 """QLoRA vs LoRA on SmolLM2-135M: peak RSS and training tokens/s, one subprocess per variant.
 
 Both variants train the same rank-r adapters on the same instruction rows (the pydoc Q/A set,
-response-only loss) for the same steps from the same seed; only the frozen base differs:
-`lora` holds it as dequantized fp32 nn.Linear, `qlora` keeps the GGUF's Q4_1 blocks and
-dequantizes per matmul. Each variant runs in its own process so peak RSS (ru_maxrss) is its own.
+response-only loss) for the same steps from the same seed, in fp32; only the frozen base differs:
+both keep the GGUF's Q4_1 blocks, `lora` also holds each matrix dequantized in the matmul dtype (as
+the train loop prepares it: fp32 here), `qlora` dequantizes per matmul. Each variant runs in its own
+process so peak RSS (ru_maxrss) is its own.
 
     python benchmarks/qlora_memory.py                # 2 x 4 steps per variant, batch 2 x 256, rank 8 on q,v
     python benchmarks/qlora_memory.py --batch-size 1 --targets q,k,v,o,gate,up,down
@@ -43,7 +44,7 @@ def child(args: argparse.Namespace) -> dict:
 
     from pipeline.config import LoraConfig
     from pipeline.data.packed import load_rows
-    from pipeline.finetune.base import load_base
+    from pipeline.finetune.base import load_base, prepare_training
     from pipeline.finetune.lora import attach_lora, trainable_summary
     from pipeline.gguf.reader import resolve_gguf_path
     from pipeline.training.batches import RowSampler
@@ -57,8 +58,9 @@ def child(args: argparse.Namespace) -> dict:
     del g  # the GGUF reader (parsed tokenizer arrays, mmap) is not needed for training
     gc.collect()
     rss_loaded = rss_mb()
-    model_mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
     attach_lora(model, LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=tuple(args.targets.split(","))))
+    prepare_training(model, args.variant, torch.float32)  # as the train loop does at precision=fp32
+    model_mb = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
     sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
