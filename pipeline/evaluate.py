@@ -7,11 +7,8 @@ fine-tune the base GGUF's NLL on the same rows is measured beside it.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import math
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from pipeline.modeldir import read_train_state
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import generate_ids
 from pipeline.parity import check_parity, our_logits, parity_windows
-from pipeline.training.runtime import pick_device
+from pipeline.training.runtime import pick_device, trim_freed_memory
 from pipeline.training.validation import response_nll, validation_loss
 
 # f32 export: the re-read model must reproduce the train stage's val loss this closely
@@ -134,22 +131,10 @@ def _answer(model: nn.Module, tok: GGUFTokenizer, ids: list[int], max_new_tokens
 
 
 def release_memory() -> None:
-    """Hand freed memory back to the OS: collect cycles, then (glibc) return the malloc arenas'
-    free pages, which a freed model's many mid-sized tensors otherwise keep in RSS."""
+    """Hand freed memory back to the OS: collect cycles, then (glibc) return the heap's free pages,
+    which a freed model's many mid-sized tensors otherwise keep in RSS."""
     gc.collect()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, None where the C library has none (macOS, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim  # the process's own symbols, libc's among them
-    except (OSError, AttributeError):
-        return None
+    trim_freed_memory()
 
 
 def _val_metrics(

@@ -4,6 +4,7 @@ and named errors for batch shapes the data cannot serve."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ from pipeline.realize import realize
 from pipeline.training.batches import BatchSampler
 from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
+from pipeline.training.runtime import HeapGuard, keep_freed_memory, resident_bytes
 from pipeline.training.validation import evaluate_loss
 from stages.train import PLOT_COLUMNS, metrics, plot_table
 
@@ -269,3 +271,16 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
     table = plot_table(result.history, PLOT_COLUMNS["val_loss"]).splitlines()
     assert table[0] == "step\tval_loss\tval_ppl\tval_bpb" and len(table) == 3
     assert float(table[2].split("\t")[3]) == pytest.approx(result.final_val_loss * 0.25, rel=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
+def test_heap_guard_hands_free_pages_back_once_the_heap_grew() -> None:
+    keep_freed_memory()  # as the train loop does on CPU: freed memory stays resident
+    guard = HeapGuard(slack=0.05)
+    guard.reference = resident_bytes()
+    parts = [torch.ones(2**18) for _ in range(400)]  # 400 MiB in 1 MiB tensors, then freed
+    grown = resident_bytes()
+    del parts
+    assert resident_bytes() > grown - 100 * 2**20  # kept: the heap still holds the freed pages
+    guard.after_step()
+    assert resident_bytes() < grown - 300 * 2**20  # the guard returned them

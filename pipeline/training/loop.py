@@ -32,6 +32,7 @@ from pipeline.training.batches import check_batches, check_distill, make_sampler
 from pipeline.training.optim import clip_gradients, lbfgs_step, lr_at, nonfinite_message, set_lr
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
+    HeapGuard,
     NonFiniteError,
     autocast,
     compile_blocks,
@@ -118,10 +119,13 @@ def train(
     start = run.state.step
     show = progress and run.info.is_main
     bar = tqdm(total=tcfg.steps, initial=start, desc="train", disable=not show, dynamic_ncols=True)
+    heap = HeapGuard() if run.device.type == "cpu" else None
     with stop_on_signals() as asked:
         for step in range(start, start if run.state.stopped_early else tcfg.steps):
             row, epoch_end = run.step(step)
             run.record(step, row, epoch_end)
+            if heap is not None:
+                heap.after_step()
             bar.update(1)
             bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
             stop = dist.any_rank(bool(asked), run.info, run.device)

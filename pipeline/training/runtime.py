@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -59,6 +60,44 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def trim_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`); False where there is none."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapGuard:
+    """Keeps a CPU run's resident size near what its steps really hold.
+
+    With freed memory kept (`keep_freed_memory`), batches whose sizes change every step (packed rows:
+    only the real tokens are computed) leave the heap fragmented: measured on LoRA steps of 603-864
+    tokens, peak RSS climbed 1.42 -> 2.18 GB in eight steps, 1.90 GB with the free pages returned.
+    After a step whose resident size is more than `slack` above the first step's, the free pages go
+    back to the OS: the page faults that costs are paid only after the heap grew.
+    """
+
+    def __init__(self, slack: float = 0.1):
+        self.slack, self.reference = slack, 0
+
+    def after_step(self) -> None:
+        rss = resident_bytes()
+        if not self.reference:
+            self.reference = rss
+        elif rss > self.reference * (1 + self.slack):
+            trim_freed_memory()
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:
