@@ -119,7 +119,8 @@ def train(
     start = run.state.step
     show = progress and run.info.is_main
     bar = tqdm(total=tcfg.steps, initial=start, desc="train", disable=not show, dynamic_ncols=True)
-    heap = HeapGuard() if run.device.type == "cpu" else None
+    # packed rows change size every step (only real tokens are computed); token windows do not
+    heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None
     with stop_on_signals() as asked:
         for step in range(start, start if run.state.stopped_early else tcfg.steps):
             row, epoch_end = run.step(step)

@@ -86,7 +86,9 @@ class HeapGuard:
     only the real tokens are computed) leave the heap fragmented: measured on LoRA steps of 603-864
     tokens, peak RSS climbed 1.42 -> 2.18 GB in eight steps, 1.90 GB with the free pages returned.
     After a step whose resident size is more than `slack` above the first step's, the free pages go
-    back to the OS: the page faults that costs are paid only after the heap grew.
+    back to the OS: the page faults that costs are paid only after the heap grew. Only for packed
+    rows: with token windows every step has the same shapes, and a resident size raised by validation
+    or a teacher would make it trim (and re-fault) after every step.
     """
 
     def __init__(self, slack: float = 0.1):
