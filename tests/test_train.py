@@ -17,7 +17,7 @@ from pipeline.realize import realize
 from pipeline.training.batches import BatchSampler
 from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
-from pipeline.training.runtime import HeapGuard, keep_freed_memory, resident_bytes
+from pipeline.training.runtime import HeapGuard, keep_freed_memory, resident_bytes, trim_freed_memory
 from pipeline.training.validation import evaluate_loss
 from stages.train import PLOT_COLUMNS, metrics, plot_table
 
@@ -276,10 +276,12 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
 def test_heap_guard_hands_free_pages_back_once_the_heap_grew() -> None:
     keep_freed_memory()  # as the train loop does on CPU: freed memory stays resident
+    trim_freed_memory()  # start without free resident pages, whatever earlier tests left in the heap
     guard = HeapGuard(slack=0.05)
     guard.reference = resident_bytes()
     parts = [torch.ones(2**18) for _ in range(400)]  # 400 MiB in 1 MiB tensors, then freed
     grown = resident_bytes()
+    assert grown > guard.reference + 300 * 2**20
     del parts
     assert resident_bytes() > grown - 100 * 2**20  # kept: the heap still holds the freed pages
     guard.after_step()
