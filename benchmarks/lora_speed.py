@@ -6,7 +6,7 @@ set, response-only loss, batch x seq tokens), rank-r adapters on q,v (alpha 2r, 
 recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
 
 - `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
-  (`make_optimizer`, `autocast`, `clip_gradients`, `keep_freed_memory`), `Llama.loss` on the rows
+  (`make_optimizer`, `autocast`, `clip_gradients`, `bound_kernel_caches`, `keep_freed_memory`), `Llama.loss` on the rows
   with their segment ids (attention kept inside each packed example).
 - `ours-ckpt`: `ours` with `train.activation_checkpointing=true` (each block recomputed in backward).
 - `hf`: `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` (transformers dequantizes the
@@ -52,9 +52,15 @@ def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: boo
     from pipeline.config import LoraConfig, OptimConfig
     from pipeline.finetune.base import build_finetune, prepare_training
     from pipeline.training.optim import clip_gradients, make_optimizer
-    from pipeline.training.runtime import autocast, enable_activation_checkpointing, keep_freed_memory
+    from pipeline.training.runtime import (
+        autocast,
+        bound_kernel_caches,
+        enable_activation_checkpointing,
+        keep_freed_memory,
+    )
 
-    keep_freed_memory()  # what the train loop does on CPU
+    bound_kernel_caches()  # what the train loop does on CPU
+    keep_freed_memory()
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
     model = build_finetune(base, mode, lora).train()
     prepare_training(model, mode, torch.bfloat16)  # as the train loop does for bf16

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.config import LoraConfig, OptimConfig
 from pipeline.errors import ConfigError, GGUFError
+from pipeline.finetune import quant
 from pipeline.finetune.base import load_base, prepare_training
 from pipeline.finetune.lora import (
     AdapterError,
@@ -24,7 +25,14 @@ from pipeline.finetune.lora import (
     merge_lora,
 )
 from pipeline.finetune.lora import dropout as lora_dropout
-from pipeline.finetune.quant import QuantLinear, dequantize, load_quantized_base, split_blocks
+from pipeline.finetune.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    dequantize_model,
+    load_quantized_base,
+    split_blocks,
+)
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.models.base import TransformerConfig, init_weights
@@ -245,6 +253,34 @@ def test_quantized_base_equals_dequantized_base(tmp_path: Path, qtype: str) -> N
     torch.testing.assert_close(g_q, xin.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_token_table_stays_in_its_blocks(tmp_path: Path, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized base keeps its token table in the file's blocks: a lookup rebuilds exactly the looked-up
+    rows; the tied head is the exact fp32 table outside autocast and its bf16 rounding inside (rebuilt a
+    few rows at a time, or recipe=lora's cached copy); dequantizing gives back an nn.Embedding."""
+    path = write_tiny_base(tmp_path / f"{qtype}.gguf", qtype)
+    dense, _ = load_llama(path)
+    q = load_quantized_base(path)
+    table, ref = q.tok_embd, dense.tok_embd.weight.detach()
+    assert isinstance(table, QuantEmbedding) and table.ggml_type == GGUFFile(path).raw_tensor("token_embd.weight")[1]
+    assert not torch.equal(ref, tiny().tok_embd.weight)  # quantization really changed the table
+    idx = torch.tensor([[3, 0, 7, 3], [CFG.vocab_size - 1, 5, 5, 1]])
+    assert torch.equal(table(idx), ref[idx])
+    monkeypatch.setattr(quant, "ROWS_AT_ONCE", 7)  # several chunks and a ragged last one
+    assert torch.equal(table.weight, ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(table.weight, ref.to(torch.bfloat16))
+    x, y = batch()
+    with torch.no_grad():
+        assert torch.equal(q(x), dense(x))
+    prepare_training(q, "lora", torch.bfloat16)
+    assert table.cached is not None and torch.equal(table.cached, ref.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert table.weight is table.cached
+    plain = dequantize_model(q)
+    assert isinstance(plain.tok_embd, torch.nn.Embedding) and torch.equal(plain.tok_embd.weight, ref)
+
+
 def test_qlora_trains_adapters_only_and_keeps_blocks(tmp_path: Path) -> None:
     path = write_tiny_base(tmp_path / "q4.gguf", "Q4_0")
     model, _ = load_base(path, "qlora")
@@ -331,6 +367,8 @@ def test_smollm2_qlora_base_keeps_its_blocks(smollm2_qlora, smollm2: GGUFFile) -
     quant_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     stored = sum(smollm2.tensor_info(f"blk.{i}.{n}.weight").n_bytes for i in range(30) for n in names)
+    stored += smollm2.tensor_info("token_embd.weight").n_bytes  # the Q8_0 token table (and tied head)
+    assert isinstance(model.tok_embd, QuantEmbedding) and model.tok_embd.ggml_type == "Q8_0"
     assert quant_bytes == stored  # the blocks as the file holds them, nothing dense
 
 

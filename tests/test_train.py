@@ -3,9 +3,13 @@ and named errors for batch shapes the data cannot serve."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -286,3 +290,48 @@ def test_heap_guard_hands_free_pages_back_once_the_heap_grew() -> None:
     assert resident_bytes() > grown - 100 * 2**20  # kept: the heap still holds the freed pages
     guard.after_step()
     assert resident_bytes() < grown - 300 * 2**20  # the guard returned them
+
+
+NEW_SHAPES = """
+import ctypes, sys, torch
+from pipeline.training.runtime import bound_kernel_caches
+if sys.argv[1] == "bounded":
+    bound_kernel_caches(8)
+class Info(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def in_use():
+    i = libc.mallinfo2()
+    return i.uordblks + i.hblkhd
+torch.set_num_threads(1)
+w = torch.randn(256, 128, dtype=torch.bfloat16)
+torch.randn(64, 128, dtype=torch.bfloat16) @ w.t()
+before = in_use()
+for m in range(65, 165):  # 100 new token counts, as packed rows bring
+    torch.randn(m, 128, dtype=torch.bfloat16) @ w.t()
+print(in_use() - before)
+"""
+
+
+def test_bounded_kernel_caches_stop_new_shapes_growing_the_heap() -> None:
+    """Each new bf16 matmul shape compiles kernels that stay cached (oneDNN, ideep); bounded, the heap
+    in use stops growing with them. Fresh processes: the bound is read at the first oneDNN matmul."""
+    try:
+        has_mallinfo2 = hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        has_mallinfo2 = False
+    if not has_mallinfo2:
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    grown = {}
+    for mode in ("default", "bounded"):
+        out = subprocess.run(
+            [sys.executable, "-c", NEW_SHAPES, mode], capture_output=True, text=True, env=env, check=True
+        )
+        grown[mode] = int(out.stdout.split()[-1])
+    if grown["default"] < 10 * 2**20:
+        pytest.skip(f"this CPU's bf16 matmuls keep no compiled kernels per shape ({grown['default']} bytes)")
+    assert grown["bounded"] < grown["default"] / 4

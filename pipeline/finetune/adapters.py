@@ -42,7 +42,7 @@ from pipeline.finetune.lora import (
     merge_lora,
     target_paths,
 )
-from pipeline.finetune.quant import QuantLinear, dequantize_model
+from pipeline.finetune.quant import QuantMatrix, dequantize_model
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.models.names import LLAMA_LAYERS, LORA_TARGETS
@@ -358,6 +358,6 @@ def export_merged_gguf(
 
 def plain_model(model: nn.Module) -> nn.Module:
     """`model` with adapters merged and quantized layers dequantized, in a copy (or itself when it has neither)."""
-    if lora_layers(model) or any(isinstance(m, QuantLinear) for m in model.modules()):
+    if lora_layers(model) or any(isinstance(m, QuantMatrix) for m in model.modules()):
         return dequantize_model(merge_lora(copy.deepcopy(model)))
     return model

@@ -23,7 +23,7 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.models.convert import assign_from_gguf
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import LAYOUT, config_from_gguf
-from pipeline.models.names import LLAMA_LAYERS
+from pipeline.models.names import LLAMA_LAYERS, TOKEN_EMBD
 
 # ggml type -> (block size in weights, block size in bytes)
 K_BLOCKS = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}  # super-blocks, kept whole as `raw`
@@ -39,6 +39,7 @@ BLOCKS = {
     "F32": (1, 4),
 }
 SUPPORTED_TYPES = tuple(BLOCKS)
+ROWS_AT_ONCE = 8192  # rows rebuilt at a time when a large matrix is wanted in a dtype other than fp32
 
 
 def split_blocks(
@@ -171,12 +172,12 @@ class _DequantLinear(torch.autograd.Function):
         return (grad.to(ctx.dtype) @ w).to(ctx.x_dtype), None
 
 
-class QuantLinear(nn.Module):
-    """A frozen bias-free linear layer whose weight stays in its GGUF block format.
+class QuantMatrix(nn.Module):
+    """A frozen (out, in) matrix kept in its GGUF block format (the file's bytes, split into fields).
 
-    `cache_weight(dtype)` also keeps the weight dequantized in the dtype the matmuls run in (recipe=lora:
-    no step rebuilds or re-casts it); matmuls in any other dtype (fp32 validation under bf16 training)
-    still rebuild it exactly from the blocks.
+    `cache_weight(dtype)` also keeps it dequantized in the dtype the matmuls run in (recipe=lora: no
+    step rebuilds or re-casts it); any other dtype (fp32 validation under bf16 training) is still
+    rebuilt exactly from the blocks.
     """
 
     cached: torch.Tensor | None
@@ -190,7 +191,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("cached", None, persistent=False)
 
     @classmethod
-    def from_gguf(cls, g: GGUFFile, name: str) -> QuantLinear:
+    def from_gguf(cls, g: GGUFFile, name: str) -> QuantMatrix:
         raw, ggml_type, shape = g.raw_tensor(name)
         if len(shape) != 2:
             raise GGUFError(
@@ -206,27 +207,67 @@ class QuantLinear(nn.Module):
         """The fp32 (out, in) weight; rebuilt on every call."""
         return dequantize(self.ggml_type, self.fields(), (self.out_features, self.in_features))
 
+    def dequantize_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The fp32 rows `rows` of the weight, rebuilt from their own blocks only (a row is whole blocks)."""
+        picked = {}
+        for name, t in self.fields().items():
+            per_row = t.shape[0] // self.out_features  # blocks per row (1 for a dense `w`: its rows)
+            picked[name] = t.view(self.out_features, per_row, *t.shape[1:])[rows].flatten(0, 1)
+        n = len(range(*rows.indices(self.out_features))) if isinstance(rows, slice) else rows.numel()
+        return dequantize(self.ggml_type, picked, (n, self.in_features))
+
     def cache_weight(self, dtype: torch.dtype) -> None:
-        self.cached = self.dequantize().to(dtype)
+        self.cached = None
+        self.cached = self.weight_as(dtype)
 
     def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`: the cached copy when it has that dtype, else rebuilt from the blocks."""
+        """The weight in `dtype`: the cached copy when it has that dtype, else rebuilt from the blocks
+        (`ROWS_AT_ONCE` rows at a time for another dtype: no whole fp32 copy of a token table)."""
         if self.cached is not None and self.cached.dtype == dtype:
             return self.cached
-        return self.dequantize().to(dtype)
+        if dtype == torch.float32 or self.out_features <= ROWS_AT_ONCE:
+            return self.dequantize().to(dtype)
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.cached_device())
+        for r in range(0, self.out_features, ROWS_AT_ONCE):
+            out[r : r + ROWS_AT_ONCE] = self.dequantize_rows(slice(r, r + ROWS_AT_ONCE))
+        return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DequantLinear.apply(x, self)
+    def cached_device(self) -> torch.device:
+        return getattr(self, self._field_names[0]).device
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, type={self.ggml_type}"
 
 
+class QuantLinear(QuantMatrix):
+    """A frozen bias-free linear layer whose weight stays in its GGUF block format."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DequantLinear.apply(x, self)
+
+
+class QuantEmbedding(QuantMatrix):
+    """A frozen token table kept in its GGUF blocks (a Q8_0 table is a quarter of fp32's bytes).
+
+    A lookup rebuilds only the looked-up rows, exactly; as a tied head, `weight` is the table in the
+    dtype matmuls run in now (autocast's, else fp32), as `QuantLinear` computes.
+    """
+
+    @property
+    def weight(self) -> torch.Tensor:
+        kind = self.cached_device().type
+        return self.weight_as(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.dequantize_rows(idx.reshape(-1)).view(*idx.shape, self.in_features)
+
+
 def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
     """A llama GGUF as our module with every block matrix a frozen `QuantLinear` (its own blocks).
 
-    Embedding table, norms and (untied) head are dequantized to fp32 as `load_gguf` does; nothing
-    else is ever materialised in fp32 (the module is built on the meta device first).
+    The token table too (`QuantEmbedding`) when its type is one of `BLOCKS`; norms, an untied head and
+    a table of another type are dequantized to fp32 as `load_gguf` does; nothing else is ever
+    materialised in fp32 (the module is built on the meta device first).
     """
     g = source if isinstance(source, GGUFFile) else GGUFFile(source)
     cfg = config_from_gguf(g)
@@ -236,6 +277,7 @@ def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
     for i, block in enumerate(model.blocks):
         for layer in matrices:
             _quantize_layer(g, block, layer.ours, f"blk.{i}.{layer.gguf}.weight")
+    _quantize_table(g, model)
     left = model.state_dict()  # the dense rest: embeddings, norms, an untied head
     names = LAYOUT.names(cfg.n_layer, cfg.tie_embeddings)
     assign_from_gguf(model, g, {ours: theirs for ours, theirs in names.items() if ours in left}, strict=False)
@@ -261,19 +303,30 @@ def _quantize_layer(g: GGUFFile, block: nn.Module, path: str, tensor: str) -> No
     setattr(block.get_submodule(parent_path), attr, layer)
 
 
+def _quantize_table(g: GGUFFile, model: nn.Module) -> None:
+    """The token table stays in its blocks too, when its type is one QLoRA keeps (else it loads as fp32)."""
+    _, ggml_type, shape = g.raw_tensor(TOKEN_EMBD)
+    old = model.tok_embd
+    if ggml_type in BLOCKS and shape == (old.num_embeddings, old.embedding_dim):
+        model.tok_embd = QuantEmbedding.from_gguf(g, TOKEN_EMBD)
+
+
 def cache_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Every QuantLinear of `model` also keeps its weight in `dtype` (recipe=lora's training); the bytes held."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    """Every quantized matrix of `model` also keeps its weight in `dtype` (recipe=lora's training); the bytes held."""
+    layers = [m for m in model.modules() if isinstance(m, QuantMatrix)]
     for m in layers:
         m.cache_weight(dtype)
     return sum(m.cached.numel() * m.cached.element_size() for m in layers)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
-    """Replace every QuantLinear by a frozen fp32 nn.Linear of its dequantized weight (in place)."""
-    quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    """Replace every quantized matrix by a frozen fp32 nn.Linear (nn.Embedding) of its weight (in place)."""
+    quantized = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantMatrix)]
     for name, m in quantized:
-        dense = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+        if isinstance(m, QuantEmbedding):
+            dense = nn.Embedding(m.out_features, m.in_features, device="meta")
+        else:
+            dense = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
         dense.weight = nn.Parameter(m.dequantize(), requires_grad=False)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, dense)

@@ -33,7 +33,8 @@ import torch
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
-CHUNK_BYTES = 32 * 2**20  # ... and at most this many bytes of logits (bf16 at a 49k vocabulary: 341 rows)
+CHUNK_BYTES = 16 * 2**20  # ... and at most this many bytes of logits (bf16 at a 49k vocabulary: 170 rows)
+NLL_CHUNK_BYTES = 64 * 2**20  # validation's fp32 logits (and as much for their log-softmax): 341 rows at 49k
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
 _TAIL_FLOOR = 1e-30  # the student's tail mass divides its tail gradient; below this it is 0 in all but name
@@ -117,11 +118,12 @@ def linear_cross_entropy(
 
 
 @torch.no_grad()
-def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """mean CE of `h @ w.T` without gradients, `chunk` rows of fp32 logits at a time (validation:
-    the whole (tokens x vocab) logits and their log-softmax were 800 MB at 4 x 512 tokens).
-    One chunk is exactly `F.cross_entropy` of the plain path."""
+def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """mean CE of `h @ w.T` without gradients, `chunk` rows of fp32 logits at a time, by default as many
+    as `NLL_CHUNK_BYTES` hold (validation: the whole (tokens x vocab) logits and their log-softmax were
+    800 MB at 4 x 512 tokens). One chunk is exactly `F.cross_entropy` of the plain path."""
     n = h.shape[0]
+    chunk = chunk or max(BLOCK, min(DEFAULT_CHUNK, NLL_CHUNK_BYTES // (w.shape[0] * 4)))
     if n <= chunk:
         return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
     total = torch.zeros((), dtype=torch.float64, device=h.device)

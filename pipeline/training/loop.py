@@ -35,12 +35,14 @@ from pipeline.training.runtime import (
     HeapGuard,
     NonFiniteError,
     autocast,
+    bound_kernel_caches,
     compile_blocks,
     enable_activation_checkpointing,
     interrupted,
     keep_freed_memory,
     pick_device,
     stop_on_signals,
+    trim_freed_memory,
 )
 from pipeline.training.session import Session
 from pipeline.training.validation import validation_metrics
@@ -167,7 +169,11 @@ class _Run:
             self.hooks.log(row, step)
 
     def validate(self) -> dict[str, float]:
-        """`val_loss` (and `val_accuracy` for images)."""
+        """`val_loss` (and `val_accuracy` for images). On CPU the heap's free pages go back first: the
+        step just done left them fragmented, and validation's large blocks (fp32 logits, a quantized
+        table rebuilt) would otherwise grow the heap past the step's own peak."""
+        if self.device.type == "cpu":
+            trim_freed_memory()
         return validation_metrics(
             self.session.eval_module, self.val_data, self.tcfg.seq_len, self.tcfg.batch_size, self.device
         )
@@ -308,6 +314,7 @@ def _prepare(model: nn.Module, tcfg: TrainConfig, seed: int, plan: CheckpointPla
     device = dist.rank_device(pick_device(tcfg.device), info)
     dist.setup(device)
     if device.type == "cpu":
+        bound_kernel_caches()
         keep_freed_memory()
     torch.manual_seed(seed)
     resume = None if plan is None else plan.resume
