@@ -337,6 +337,7 @@ def test_lora_matmul_cache_equals_qlora_and_keeps_fp32_exact(tmp_path: Path) -> 
     prepare_training(qlora, "qlora", torch.bfloat16)
     layer = lora.blocks[0].ffn.up.base
     assert layer.cached.dtype == torch.bfloat16 and qlora.blocks[0].ffn.up.base.cached is None
+    assert qlora.tok_embd.cached.dtype == torch.bfloat16  # qlora keeps only its token table's copy
     assert layer.weight_as(torch.bfloat16) is layer.cached
     assert torch.equal(layer.weight_as(torch.float32), layer.dequantize())
     assert not any("cached" in k for k in lora.state_dict())

@@ -6,7 +6,8 @@ rebuilds the fp32 weight for each forward and backward matmul, so the fp32 matri
 one matmul: autograd saves nothing of it (a custom Function re-dequantizes in backward; the base
 is frozen, so only the input gradient is needed). The torch dequantization reproduces
 `gguf.quants.dequantize` bit for bit in fp32 (same operations in the same order), so a QLoRA model
-computes exactly what the dequantized (LoRA) base computes.
+computes exactly what the dequantized (LoRA) base computes. `QuantEmbedding` keeps the token table
+the same way: a lookup rebuilds only the looked-up rows.
 """
 
 from __future__ import annotations
@@ -311,9 +312,9 @@ def _quantize_table(g: GGUFFile, model: nn.Module) -> None:
         model.tok_embd = QuantEmbedding.from_gguf(g, TOKEN_EMBD)
 
 
-def cache_weights(model: nn.Module, dtype: torch.dtype) -> int:
-    """Every quantized matrix of `model` also keeps its weight in `dtype` (recipe=lora's training); the bytes held."""
-    layers = [m for m in model.modules() if isinstance(m, QuantMatrix)]
+def cache_weights(model: nn.Module, dtype: torch.dtype, kind: type[QuantMatrix] = QuantMatrix) -> int:
+    """Every quantized matrix of `model` (of `kind`) also keeps its weight in `dtype`; the bytes held."""
+    layers = [m for m in model.modules() if isinstance(m, kind)]
     for m in layers:
         m.cache_weight(dtype)
     return sum(m.cached.numel() * m.cached.element_size() for m in layers)
