@@ -82,7 +82,8 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
     assert math.isfinite(result.final_train_loss)
     assert [s for s, m in logged if "val_loss" in m] == [15, 30]
     assert {"train_loss", "lr", "grad_norm", "tokens_per_second"} <= set(logged[0][1])
-    assert result.final_val_loss == pytest.approx(evaluate_loss(model, val_ids, 32, 8, torch.device("cpu")))
+    where = next(model.parameters()).device  # train.device=auto: the model stays where it trained (CUDA if any)
+    assert result.final_val_loss == pytest.approx(evaluate_loss(model, val_ids, 32, 8, where))
     assert len(opt.state) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
