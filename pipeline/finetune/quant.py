@@ -228,12 +228,14 @@ class QuantMatrix(nn.Module):
             return self.cached
         if dtype == torch.float32 or self.out_features <= ROWS_AT_ONCE:
             return self.dequantize().to(dtype)
-        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.cached_device())
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.device)
         for r in range(0, self.out_features, ROWS_AT_ONCE):
             out[r : r + ROWS_AT_ONCE] = self.dequantize_rows(slice(r, r + ROWS_AT_ONCE))
         return out
 
-    def cached_device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
+        """Where the blocks are (and any copy made from them goes)."""
         return getattr(self, self._field_names[0]).device
 
     def extra_repr(self) -> str:
@@ -256,7 +258,7 @@ class QuantEmbedding(QuantMatrix):
 
     @property
     def weight(self) -> torch.Tensor:
-        kind = self.cached_device().type
+        kind = self.device.type
         return self.weight_as(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

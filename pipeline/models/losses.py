@@ -113,8 +113,13 @@ def linear_cross_entropy(
     """
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
     if chunk is None:
-        chunk = max(BLOCK, min(DEFAULT_CHUNK, CHUNK_BYTES // (w.shape[0] * dtype.itemsize)))
+        chunk = _rows_within(CHUNK_BYTES, w.shape[0] * dtype.itemsize)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
+
+
+def _rows_within(budget: int, row_bytes: int) -> int:
+    """Rows of logits a chunk holds: as many as `budget` bytes take, between BLOCK and DEFAULT_CHUNK."""
+    return max(BLOCK, min(DEFAULT_CHUNK, budget // row_bytes))
 
 
 @torch.no_grad()
@@ -123,7 +128,7 @@ def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: i
     as `NLL_CHUNK_BYTES` hold (validation: the whole (tokens x vocab) logits and their log-softmax were
     800 MB at 4 x 512 tokens). One chunk is exactly `F.cross_entropy` of the plain path."""
     n = h.shape[0]
-    chunk = chunk or max(BLOCK, min(DEFAULT_CHUNK, NLL_CHUNK_BYTES // (w.shape[0] * 4)))
+    chunk = chunk or _rows_within(NLL_CHUNK_BYTES, w.shape[0] * 4)
     if n <= chunk:
         return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
