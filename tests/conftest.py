@@ -17,6 +17,16 @@ from pipeline.models.llama_gguf import export_llama
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are skipped on a machine without a CUDA GPU (CI), run where there is one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small matmuls run faster on one thread, and a busy shared box stalls two-thread ops badly.

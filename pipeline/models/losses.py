@@ -5,7 +5,8 @@ hidden states and the head weight are computed in the same pass (as Liger-Kernel
 backward costs nothing extra and peak memory is one chunk of logits, not (tokens x vocab) fp32.
 
 Per chunk of rows there are three matmuls in the autocast dtype. The softmax runs over blocks of
-`BLOCK` rows small enough to stay in cache: each block of the matmul's output is converted to
+rows (on a CPU, `BLOCK` rows small enough to stay in cache; on a GPU, the whole chunk; see
+`chunk_sizes`): each block of the matmul's output is converted to
 fp32, softmaxed in place by torch's fused kernel, and written back in the matmul dtype, where it
 becomes the logits' gradient once 1 is subtracted at the targets; the loss is `-log p[target]` in
 fp32 (a probability below fp32's smallest normal, a loss above 87 nats, counts as 87.3). The 1/N
@@ -29,6 +30,8 @@ gradient is spread over the other tokens in proportion to the student's own prob
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
@@ -37,19 +40,42 @@ CHUNK_BYTES = 16 * 2**20  # ... and at most this many bytes of logits (bf16 at a
 NLL_CHUNK_BYTES = 64 * 2**20  # validation's fp32 logits (and as much for their log-softmax): 341 rows at 49k
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class ChunkSizes:
+    """How the chunked losses cut their work on one kind of device: a CPU wants small blocks that
+    stay in its cache; a GPU wants few, large kernels (every chunk and block is a Python loop
+    iteration of ~10 kernel launches, and 64-row blocks left an H100 waiting on the host)."""
+
+    logit_bytes: int  # a chunk's logits, in the matmul dtype
+    max_rows: int  # rows per chunk at most
+    block: int  # rows per fp32 softmax block; 0: the whole chunk at once
+
+
+CPU_SIZES = ChunkSizes(CHUNK_BYTES, DEFAULT_CHUNK, BLOCK)
+ACCELERATOR_SIZES = ChunkSizes(256 * 2**20, 8192, 0)  # 2730 rows at 49k: 256 MB bf16 + 512 MB fp32
+
+
+def chunk_sizes(device: torch.device) -> ChunkSizes:
+    """The sizes for `device` (CUDA and MPS share the accelerator's)."""
+    return CPU_SIZES if device.type == "cpu" else ACCELERATOR_SIZES
+
+
 _TAIL_FLOOR = 1e-30  # the student's tail mass divides its tail gradient; below this it is 0 in all but name
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, dtype: torch.dtype):
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, dtype, rows: int):
         n, vocab = h.shape[0], w.shape[0]
         dev = h.device
         with torch.autocast(device_type=dev.type, enabled=False):
             hc_all = h.detach().to(dtype)
             wc = w.detach().to(dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
-            block = None if dtype == torch.float32 else torch.empty(BLOCK, vocab, dtype=torch.float32, device=dev)
+            rows = min(rows or chunk, chunk, n)  # softmax block
+            block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
             grad_h = torch.empty_like(hc_all)
             grad_w = None
             total = torch.zeros((), dtype=torch.float32, device=dev)
@@ -57,10 +83,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 c = min(chunk, n - start)
                 hc, tc = hc_all[start : start + c], targets[start : start + c]
                 z = torch.mm(hc, wc.t(), out=logits[:c])
-                for b in range(0, c, BLOCK):
-                    total += _softmax_nll_(z[b : b + BLOCK], tc[b : b + BLOCK], block)
-                rows = torch.arange(c, device=dev)
-                z.index_put_((rows, tc), torch.full((c,), -1.0, dtype=dtype, device=dev), accumulate=True)
+                for b in range(0, c, rows):
+                    total += _softmax_nll_(z[b : b + rows], tc[b : b + rows], block)
+                at = torch.arange(c, device=dev)
+                z.index_put_((at, tc), torch.full((c,), -1.0, dtype=dtype, device=dev), accumulate=True)
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 if ctx.needs_input_grad[1]:  # a frozen head (LoRA's tied embedding) needs no weight gradient
                     part = torch.mm(z.t(), hc)
@@ -72,7 +98,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         # the saved gradients are used once (no retain_graph): scale them in place
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), None, None, None
+        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), None, None, None, None
 
 
 def _weight_grad(ctx, grad_w: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
@@ -109,17 +135,22 @@ def linear_cross_entropy(
     """mean CE of `h @ w.T` against `targets`; h (N, d), w (V, d), targets (N,).
 
     Matmuls run in bf16 when autocast is on (as the plain path would), softmax in fp32. `chunk` rows
-    at a time: by default as many as `CHUNK_BYTES` of logits hold (up to `DEFAULT_CHUNK`).
+    at a time: by default as many as the device's `chunk_sizes` allow.
     """
-    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
-    if chunk is None:
-        chunk = _rows_within(CHUNK_BYTES, w.shape[0] * dtype.itemsize)
-    return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype)
+    dtype = _matmul_dtype(h)
+    sizes = chunk_sizes(h.device)
+    chunk = chunk or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
+    return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype, sizes.block)
 
 
-def _rows_within(budget: int, row_bytes: int) -> int:
-    """Rows of logits a chunk holds: as many as `budget` bytes take, between BLOCK and DEFAULT_CHUNK."""
-    return max(BLOCK, min(DEFAULT_CHUNK, budget // row_bytes))
+def _matmul_dtype(h: torch.Tensor) -> torch.dtype:
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+
+
+def _rows_within(budget: int, row_bytes: int, most: int = DEFAULT_CHUNK) -> int:
+    """Rows of logits a chunk holds: as many as `budget` bytes take, between BLOCK and `most`."""
+    return max(BLOCK, min(most, budget // row_bytes))
 
 
 @torch.no_grad()
@@ -128,7 +159,7 @@ def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: i
     as `NLL_CHUNK_BYTES` hold (validation: the whole (tokens x vocab) logits and their log-softmax were
     800 MB at 4 x 512 tokens). One chunk is exactly `F.cross_entropy` of the plain path."""
     n = h.shape[0]
-    chunk = chunk or _rows_within(NLL_CHUNK_BYTES, w.shape[0] * 4)
+    chunk = chunk or _rows_within(NLL_CHUNK_BYTES * (1 if h.device.type == "cpu" else 8), w.shape[0] * 4)
     if n <= chunk:
         return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
@@ -178,13 +209,14 @@ _LOG_TINY = float(torch.log(torch.tensor(_TINY)))
 
 class _ChunkedLinearDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, t_ids, log_q, weight: float, temperature: float, chunk: int, dtype):
+    def forward(ctx, h, w, targets, t_ids, log_q, weight: float, temperature: float, chunk: int, dtype, rows: int):
         n, vocab = h.shape[0], w.shape[0]
         dev = h.device
         with torch.autocast(device_type=dev.type, enabled=False):
             hc_all, wc = h.detach().to(dtype), w.detach().to(dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
-            block = None if dtype == torch.float32 else torch.empty(BLOCK, vocab, dtype=torch.float32, device=dev)
+            rows = min(rows or chunk, chunk, n)  # softmax block
+            block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
             grad_h = torch.empty_like(hc_all)
             grad_w = None
             sums = torch.zeros(2, dtype=torch.float32, device=dev)  # summed CE, summed KL
@@ -192,10 +224,10 @@ class _ChunkedLinearDistill(torch.autograd.Function):
                 c = min(chunk, n - start)
                 hc = hc_all[start : start + c]
                 z = torch.mm(hc, wc.t(), out=logits[:c])
-                for b in range(0, c, BLOCK):
-                    rows = slice(start + b, start + min(b + BLOCK, c))
+                for b in range(0, c, rows):
+                    at = slice(start + b, start + min(b + rows, c))
                     sums += _distill_block_(
-                        z[b : b + BLOCK], targets[rows], t_ids[rows], log_q[rows], block, weight, temperature
+                        z[b : b + rows], targets[at], t_ids[at], log_q[at], block, weight, temperature
                     )
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 if ctx.needs_input_grad[1]:
@@ -209,7 +241,7 @@ class _ChunkedLinearDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_parts: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        none = (None,) * 7
+        none = (None,) * 8
         return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), *none
 
 
@@ -253,20 +285,25 @@ def linear_distill_loss(
     teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     weight: float,
     temperature: float,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(1-weight)*CE + weight*T^2*KL` of `h @ w.T` (see the module doc) and its detached parts (CE, KL).
 
     h (N, d), w (V, d), targets (N,); `teacher` = (ids (..., k), log-probs (..., k), tail log-mass (...))
-    as `top_k_targets` makes them, N positions in all. Memory as `linear_cross_entropy`: one chunk of logits.
+    as `top_k_targets` makes them, N positions in all. Memory as `linear_cross_entropy`: one chunk of logits
+    (`DEFAULT_CHUNK` rows on a CPU, by default; as the device's `chunk_sizes` allow elsewhere).
     """
-    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else torch.float32
+    dtype = _matmul_dtype(h)
+    sizes = chunk_sizes(h.device)
+    if chunk is None:
+        wide = sizes.max_rows > DEFAULT_CHUNK
+        chunk = _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows) if wide else DEFAULT_CHUNK
     k = teacher[0].shape[-1]
     ids, logp, tail = teacher[0].reshape(-1, k), teacher[1].reshape(-1, k), teacher[2].reshape(-1)
     with torch.autocast(device_type=h.device.type, enabled=False):
         log_q = _coarse(logp, tail, temperature)
     return _ChunkedLinearDistill.apply(
-        h, w, targets, ids.long(), log_q, float(weight), float(temperature), chunk, dtype
+        h, w, targets, ids.long(), log_q, float(weight), float(temperature), chunk, dtype, sizes.block
     )
 
 

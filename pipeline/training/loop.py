@@ -29,7 +29,8 @@ from pipeline.models.losses import IGNORE_INDEX
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
-from pipeline.training.optim import clip_gradients, lbfgs_step, lr_at, nonfinite_message, set_lr
+from pipeline.training.optim import clip_gradients, gradient_norm, lbfgs_step, lr_at, nonfinite_message, set_lr
+from pipeline.training.queued import QueuedSteps, defers, skip_if_nonfinite
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
     HeapGuard,
@@ -130,7 +131,8 @@ def train(
             if heap is not None:
                 heap.after_step()
             bar.update(1)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
+            if isinstance(row["train_loss"], float):  # read already (a queued step's is read when logged)
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
             stop = dist.any_rank(bool(asked), run.info, run.device)
             run.checkpoint_if_due(stop or run.state.stopped_early)
             if stop:
@@ -162,6 +164,8 @@ class _Run:
         if resume is None and plan is not None and tcfg.resume == "never" and self.info.is_main:
             ckpt.remove_newer(plan.root, 0)
         self.last_checkpoint = None if resume is None else str(resume.path)
+        lbfgs = optim.name == "lbfgs"
+        self.queue = None if lbfgs or not defers(self.device, self.session.opt, self.session.fsdp) else QueuedSteps()
         self.started = time.perf_counter()
 
     def log(self, row: dict[str, float], step: int) -> None:
@@ -188,25 +192,48 @@ class _Run:
         batches = [tuple(dist.shard_rows(t, self.info) for t in self.sampler()) for _ in range(self.tcfg.grad_accum)]
         if self.optim.name == "lbfgs":
             loss, grad_norm = lbfgs_step(opt, lambda: self._forward_backward(batches), params, self.optim.grad_clip)
+        elif self.queue is not None:  # nothing read here: see `queued`
+            loss, grad_norm = self._forward_backward(batches), gradient_norm(params, self.optim.grad_clip)
+            skip_if_nonfinite(opt, loss, grad_norm)
+            opt.step()
         else:
             loss = float(self._forward_backward(batches))
             grad_norm = clip_gradients(params, self.optim.grad_clip)
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 opt.step()
         opt.zero_grad(set_to_none=True)
+        row = {"train_loss": loss, **self.session.loss_parts(self.queue is None), "lr": lr, "grad_norm": grad_norm}
+        if self.rows:
+            row["epoch"] = self.sampler.epoch
+        if self.queue is not None:
+            self.queue.add(step, row)
+        else:
+            row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
+            self.settled(step, row)
+        return row, self.rows and int(self.sampler.epoch) > epoch_before
+
+    def settled(self, step: int, row: dict[str, Any]) -> None:
+        """A step whose figures are read: a non-finite one fails the run (or, with train.skip_nonfinite,
+        counts as skipped: its update was not applied); the epoch's loss list grows."""
+        loss, grad_norm = row["train_loss"], row["grad_norm"]
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             if not self.tcfg.skip_nonfinite or self.optim.name == "lbfgs":
                 raise NonFiniteError(nonfinite_message(step + 1, loss, grad_norm, self.last_checkpoint, self.optim))
             self.state.skipped_steps += 1
-        row = {"train_loss": loss, **self.session.loss_parts(), "lr": lr, "grad_norm": grad_norm}
-        row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
         if self.tcfg.skip_nonfinite:
             row["skipped_steps"] = float(self.state.skipped_steps)
-        if not self.rows:
-            return row, False
-        row["epoch"] = self.sampler.epoch
-        self.state.epoch_losses.append(loss)
-        return row, int(self.sampler.epoch) > epoch_before
+        if self.rows:
+            self.state.epoch_losses.append(loss)
+
+    def settle(self) -> None:
+        """Read the queued steps' figures (one wait for the device) and settle them in order; the last
+        one's tokens/s is over all of them."""
+        if self.queue is None or not self.queue.rows:
+            return
+        rows, seconds = self.queue.settle()
+        for step, row in rows:
+            self.settled(step, row)
+        rows[-1][1]["tokens_per_second"] = self.tokens_per_step * len(rows) / max(seconds, 1e-9)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         self.session.forward.parts.clear()  # an L-BFGS step may evaluate several times: keep the last
@@ -231,7 +258,10 @@ class _Run:
     def record(self, step: int, row: dict[str, float], epoch_end: bool) -> None:
         """Validation when due, per-epoch perplexity, the log and the history row of step `step`."""
         done = self.state.step = step + 1
-        if done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end:
+        validating = done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end
+        if validating or done % self.tcfg.log_every == 0 or step == 0:
+            self.settle()
+        if validating:
             row.update(self.validate())
             row["val_ppl"] = math.exp(row["val_loss"])
             if self.hooks.bits_per_token is not None:
@@ -245,6 +275,8 @@ class _Run:
         if done % self.tcfg.log_every == 0 or "val_loss" in row or step == 0 or epoch_end:
             self.log(row, done)
             self.state.history.append({"step": done, **row})
+            if self.queue is not None:
+                self.queue.restart_clock()
 
     def track_best(self, done: int, val_loss: float) -> None:
         """Remember the lowest val loss (and, with train.keep_best, its weights); with
@@ -270,6 +302,7 @@ class _Run:
         plan, done = self.plan, self.state.step
         if plan is None or not (stop or done == self.tcfg.steps or (plan.every > 0 and done % plan.every == 0)):
             return
+        self.settle()  # a checkpoint holds no step whose figures were not read
         self.hooks.flush()
         best = self.best if self.best is not None and self.state.best_step != done else None
         state = replace(self.state, seconds=self.seconds())

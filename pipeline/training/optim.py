@@ -58,6 +58,11 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
     """Gradient norm before clipping (clipping only when max_norm > 0)."""
+    return float(gradient_norm(params, max_norm))
+
+
+def gradient_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`clip_gradients` without reading the norm: a tensor on the gradients' device (nothing waits)."""
     grads = [p.grad for p in params if p.grad is not None]
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
@@ -65,7 +70,7 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm(grads)
     if hasattr(norm, "full_tensor"):  # FSDP: a sharded (DTensor) norm
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def lbfgs_step(

@@ -107,12 +107,14 @@ class Session:
             }
         return weights, osd
 
-    def loss_parts(self) -> dict[str, float]:
+    def loss_parts(self, read: bool = True) -> dict[str, float | torch.Tensor]:
         """The train loss's two parts over the last step's micro-batches (mean over ranks too):
-        `train_ce`, `train_kd`; {} without distillation. Every rank calls it (a collective)."""
+        `train_ce`, `train_kd`; {} without distillation. Every rank calls it (a collective).
+        With `read=False` they stay 0-d tensors on the device (read later, see `queued`)."""
         if not self.forward.parts:
             return {}
-        ce, kd = dist.mean_across(torch.stack(self.forward.parts).mean(0), self.info).tolist()
+        parts = dist.mean_across(torch.stack(self.forward.parts).mean(0), self.info)
+        ce, kd = parts.tolist() if read else parts.unbind()
         return {"train_ce": ce, "train_kd": kd}
 
     def _kept(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,156 @@
+"""The paths a GPU takes, checked against the plain ones: on this CPU by forcing them where they
+are device-independent math, and on CUDA itself in the tests marked `cuda` (skipped without one)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.packed import load_split
+from pipeline.modeldir import load_model_dir
+from pipeline.models import losses
+from pipeline.models.losses import ACCELERATOR_SIZES, linear_cross_entropy, linear_distill_loss, top_k_targets
+from pipeline.training import checkpoint as ckpt
+from pipeline.training import queued
+from pipeline.training.loop import train
+from pipeline.training.resume import plan_checkpoints
+from pipeline.training.runtime import NonFiniteError
+from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
+
+
+def _problem(rows: int, vocab: int, width: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, width, generator=g).to(device).requires_grad_()
+    w = (torch.randn(vocab, width, generator=g) * 0.1).to(device).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    teacher = tuple(x.to(device) for x in top_k_targets(torch.randn(rows, vocab, generator=g), 8))
+    return h, w, t, teacher
+
+
+def _loss_and_grads(distill: bool, h, w, t, teacher, device: str = "cpu"):
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = linear_distill_loss(h, w, t, teacher, 0.5, 2.0)[0] if distill else linear_cross_entropy(h, w, t)
+    return (loss.detach().float(), *torch.autograd.grad(loss, (h, w)))
+
+
+def _close(got, ref) -> None:
+    assert float(got[0]) == pytest.approx(float(ref[0]), abs=2e-3)
+    for a, b in zip(got[1:], ref[1:]):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_accelerator_sized_loss_chunks_equal_the_cpu_sized_ones(distill: bool, monkeypatch) -> None:
+    """A GPU runs the chunked losses in few large chunks, each softmaxed whole (`ACCELERATOR_SIZES`):
+    the same loss and gradients as the CPU's small cache-sized blocks, to bf16 rounding."""
+    h, w, t, teacher = _problem(1500, 3000, 32)
+    ref = _loss_and_grads(distill, h, w, t, teacher)
+    monkeypatch.setattr(losses, "chunk_sizes", lambda device: ACCELERATOR_SIZES)
+    calls = []
+    real = losses._rows_within
+    monkeypatch.setattr(losses, "_rows_within", lambda *a: calls.append(real(*a)) or calls[-1])
+    got = _loss_and_grads(distill, h, w, t, teacher)
+    assert calls == [8192]  # one chunk holds all 1500 rows (not 1024 rows in 64-row blocks)
+    _close(got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("distill", [False, True])
+def test_chunked_losses_on_cuda_equal_the_cpu(distill: bool) -> None:
+    """The chunked losses on CUDA (accelerator sizes, CUDA kernels) against the CPU path."""
+    cpu = _loss_and_grads(distill, *_problem(3000, 49152 // 8, 64))
+    got = _loss_and_grads(distill, *_problem(3000, 49152 // 8, 64, "cuda"), device="cuda")
+    _close([x.cpu() for x in got], cpu)
+
+
+# --- the loop reads a GPU step's figures only when it logs (pipeline.training.queued) ---------------
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, smollm2) -> Path:
+    return make_project(tmp_path_factory.mktemp("queued"), smollm2)
+
+
+def _train(project: Path, tcfg: TrainConfig, model=None, plan=None):
+    packed = project / "data" / "packed"
+    model = model or load_model_dir(project / "models" / "init")
+    splits = load_split(packed, "train"), load_split(packed, "val")
+    result, _ = train(model, *splits, tcfg, OptimConfig(warmup_steps=2), 0, progress=False, plan=plan)
+    return model, result
+
+
+def _figures(result) -> list[dict[str, float]]:
+    return [{k: v for k, v in row.items() if k != "tokens_per_second"} for row in result.history]
+
+
+@pytest.fixture
+def queued_on_cpu(monkeypatch):
+    """The CUDA loop's queued figures, forced on this CPU (fused AdamW's `found_inf` works here too)."""
+    monkeypatch.setattr(queued, "DEFER_ON", ("cuda", "cpu"))
+
+
+def test_queued_figures_give_the_same_run(project: Path, monkeypatch) -> None:
+    """Reading loss and gradient norm only at log steps changes nothing: same weights, same logged rows."""
+    tcfg = replace(TCFG, log_every=3)
+    eager, eager_result = _train(project, tcfg)
+    monkeypatch.setattr(queued, "DEFER_ON", ("cuda", "cpu"))
+    seen = []
+    monkeypatch.setattr(
+        queued.QueuedSteps, "add", lambda self, step, row: seen.append(step) or self.rows.append((step, row))
+    )
+    model, result = _train(project, tcfg)
+    assert seen == list(range(8))  # every step went through the queue
+    assert_same_weights(eager.state_dict(), model.state_dict())
+    assert _figures(result) == _figures(eager_result) and [r["step"] for r in result.history] == [1, 3, 4, 6, 8]
+    assert all(r["tokens_per_second"] > 0 for r in result.history)
+
+
+def test_queued_nonfinite_step_stops_naming_it_before_the_next_checkpoint(
+    project: Path, tmp_path: Path, queued_on_cpu
+) -> None:
+    """A NaN at step 5 is read at step 6's checkpoint: the error names step 5 and step 6 is not written."""
+    tcfg = replace(TCFG, log_every=100, eval_every=100)
+    plan = plan_checkpoints(
+        tcfg, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path
+    )
+    model = load_model_dir(project / "models/init")
+    nan_after(model, 5)
+    with pytest.raises(NonFiniteError) as err:
+        _train(project, tcfg, model, plan)
+    assert str(err.value).startswith("train step 5:") and "step-00000004" in str(err.value)
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [4, 2]
+
+
+def test_queued_skip_of_a_nonfinite_step_equals_the_host_side_skip(project: Path, monkeypatch) -> None:
+    """Fused AdamW skipping on the device (`found_inf`) leaves the same weights as not calling `step()`."""
+    tcfg = replace(TCFG, skip_nonfinite=True, log_every=4)
+    eager = load_model_dir(project / "models/init")
+    nan_after(eager, 3)
+    eager, eager_result = _train(project, tcfg, eager)
+    monkeypatch.setattr(queued, "DEFER_ON", ("cuda", "cpu"))
+    model = load_model_dir(project / "models/init")
+    nan_after(model, 3)
+    model, result = _train(project, tcfg, model)
+    assert result.skipped_steps == eager_result.skipped_steps == 1
+    assert [r["skipped_steps"] for r in result.history] == [0, 1, 1]  # steps 1, 4, 8
+    assert_same_weights(eager.state_dict(), model.state_dict())
+
+
+@pytest.mark.cuda
+def test_cuda_runs_are_bit_identical_and_resume_exactly(project: Path, tmp_path: Path) -> None:
+    """On CUDA (queued figures, large loss chunks): two runs give the same weights, and a run resumed
+    from its step-4 checkpoint ends with the same weights and losses as the uninterrupted one."""
+    tcfg = replace(TCFG, device="cuda", log_every=3)
+    first, first_result, plan = run_lib(project, tcfg, tmp_path / "a")
+    second, _, _ = run_lib(project, tcfg, tmp_path / "b")
+    assert_same_weights(first.state_dict(), second.state_dict())
+    for s in (8, 6):
+        ckpt.shutil.rmtree(plan.root / ckpt.step_name(s))
+    resumed, result, _ = run_lib(project, tcfg, tmp_path / "a")
+    assert result.resumed_from == 4
+    assert_same_weights(first.state_dict(), resumed.state_dict())
+    assert _figures(result) == _figures(first_result)
