@@ -113,13 +113,17 @@ def test_greedy_ids_equal_the_fp32_module(tiny: torch.nn.Module, precision: str)
     assert generate_ids(for_decoding(tiny, precision), prompt, 24) == want
 
 
+@pytest.mark.parametrize("step_mode", ["dynamic", "static"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_static_cache_decode_equals_full_recompute(
-    tiny: torch.nn.Module, precision: str, monkeypatch: pytest.MonkeyPatch
+    tiny: torch.nn.Module, precision: str, step_mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prefill, a second chunk, then one token at a time, the buffer growing twice on the way."""
+    """Prefill, a second chunk, then one token at a time, the buffer growing twice on the way; the
+    one-token steps as the CPU runs them (dynamic) and as a CUDA graph holds them (static shapes:
+    the position a device tensor, attention over the whole buffer under a mask)."""
     monkeypatch.setattr(decode, "_FIRST_CAPACITY", 8)
     model, x = PackedLlama(tiny, precision), ids(30, seed=5)
+    model.step_mode = step_mode
     with torch.inference_mode():
         full = model(x)
         cache = model.new_cache()

@@ -12,8 +12,12 @@ import torch
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
 from pipeline.modeldir import load_model_dir
-from pipeline.models import losses
+from pipeline.models import decode, losses
+from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.decode import PackedLlama
+from pipeline.models.llama import Llama
 from pipeline.models.losses import ACCELERATOR_SIZES, linear_cross_entropy, linear_distill_loss, top_k_targets
+from pipeline.models.sampling import generate_ids
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import queued
 from pipeline.training.loop import train
@@ -154,3 +158,29 @@ def test_cuda_runs_are_bit_identical_and_resume_exactly(project: Path, tmp_path:
     assert result.resumed_from == 4
     assert_same_weights(first.state_dict(), resumed.state_dict())
     assert _figures(result) == _figures(first_result)
+
+
+# --- decoding on CUDA: the one-token step replayed as a CUDA graph ----------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cuda_graph_decode_gives_the_eager_steps_ids_and_logits(precision: str, monkeypatch) -> None:
+    """Greedy ids from graph replays equal the eager dynamic step's, across a cache that grows (a new
+    buffer: a new capture) and two generations (the second reuses or recaptures, never a stale graph)."""
+    monkeypatch.setattr(decode, "_FIRST_CAPACITY", 16)
+    model = Llama(TransformerConfig(96, 64, 4, 4, 2, 96, 128, 100000.0, 1e-5))
+    init_weights(model, 0.2, seed=0)
+    graphed = PackedLlama(model, precision, "cuda")
+    eager = PackedLlama(model, precision, "cuda")
+    eager.step_mode = "dynamic"
+    prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    for _ in range(2):
+        assert generate_ids(graphed, prompt, 40) == generate_ids(eager, prompt, 40)
+    assert graphed.graphs and not eager.graphs
+    x = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        caches = graphed.new_cache(), eager.new_cache()
+        graphed(x, caches[0]), eager(x, caches[1])
+        step = torch.tensor([[5]], device="cuda")
+        torch.testing.assert_close(graphed(step, caches[0]), eager(step, caches[1]), rtol=0, atol=1e-3)

@@ -17,6 +17,10 @@ lookup reads too), so its rounding cannot reorder the top of the distribution. N
 residual stream and attention stay fp32 in every mode (CPU attention in bf16 is
 slower, and less exact); the KV cache is a fp32 buffer preallocated and written in place
 (`StaticKVCache`), grown by doubling, never by a cat per step.
+
+On CUDA a one-token step runs with static shapes (`_static_step`: the position is a device tensor,
+attention reads the whole cache under a mask) and is replayed as a CUDA graph (`GraphedCall`), one
+per cache buffer: eagerly, the step's ~400 small kernel launches cost more than the kernels.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from torch import nn
 from pipeline.config.generate import DECODE_PRECISIONS
 from pipeline.errors import ConfigError, problem
 from pipeline.models.base import TransformerConfig, causal_mask
+from pipeline.models.cuda_graph import GraphedCall
 from pipeline.models.llama import Llama, rope_tables
 
 PRECISIONS = DECODE_PRECISIONS  # int8, int4, bf16, fp32
 INT4_GROUP = 32  # weights per int4 block, as Q4_0/Q4_1
 RESCORED = 64  # candidates of a quantized head recomputed exactly (generate's top_k is 40)
 _FIRST_CAPACITY = 256  # cache positions allocated at first; doubled as needed up to context_length
+_GRAPHS_KEPT = 8  # captured steps a decoder keeps (one per cache buffer and batch size)
 
 
 def check_precision(precision: str, where: str = "precision") -> None:
@@ -166,6 +172,10 @@ class PackedLlama(nn.Module):
         cfg = model.cfg
         self.cfg, self.precision = cfg, precision
         self.device = torch.device(device)
+        # how a one-token step with a cache runs: "graph" (CUDA), "static" (the graph's step, eager), "dynamic"
+        self.step_mode = "graph" if self.device.type == "cuda" else "dynamic"
+        self.graphs: dict[tuple, GraphedCall] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.step_mode == "graph" else None
         if precision == "int4" and self.device.type != "cpu":
             found = f"device {self.device.type}"
             raise ConfigError(
@@ -201,17 +211,23 @@ class PackedLlama(nn.Module):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.norm_eps).to(self.dtype)
 
-    def _attention(self, layer: int, h: torch.Tensor, start: int, cache: StaticKVCache | None) -> torch.Tensor:
-        """Grouped-query attention of `h` (B, T, d_model) at positions start.. over the cache."""
+    def _qkv(self, layer: int, h: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """fp32 q (B, n_head, T, hd), k and v (B, n_kv_head, T, hd) of `h` (B, T, d_model); `rope`: (T, hd/2)."""
         cfg, w = self.cfg, self.layers[layer]
         b, t, _ = h.shape
         nq, nkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         qkv = w.qkv(h)
         qk = torch.view_as_complex(qkv[..., : (nq + nkv) * hd].float().view(b, t, nq + nkv, hd // 2, 2))
-        qk = torch.view_as_real(qk * self.rope[start : start + t, None]).flatten(-2)
-        q = qk[:, :, :nq].transpose(1, 2)
-        k = qk[:, :, nq:].transpose(1, 2)
+        qk = torch.view_as_real(qk * rope[:, None]).flatten(-2)
         v = qkv[..., (nq + nkv) * hd :].float().view(b, t, nkv, hd).transpose(1, 2)
+        return qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), v
+
+    def _attention(self, layer: int, h: torch.Tensor, start: int, cache: StaticKVCache | None) -> torch.Tensor:
+        """Grouped-query attention of `h` (B, T, d_model) at positions start.. over the cache."""
+        cfg, w = self.cfg, self.layers[layer]
+        b, t, _ = h.shape
+        nq, hd = cfg.n_head, cfg.head_dim
+        q, k, v = self._qkv(layer, h, self.rope[start : start + t])
         if cache is not None:
             cache.k[layer, :, :, start : start + t] = k
             cache.v[layer, :, :, start : start + t] = v
@@ -234,6 +250,10 @@ class PackedLlama(nn.Module):
             raise ValueError(f"sequence of {start + t} tokens exceeds context_length {self.cfg.context_length}")
         if cache is not None:
             cache.reserve(b, start + t)
+            if t == 1 and self.step_mode != "dynamic":
+                logits = self._one_step(idx, cache)
+                cache.length = start + 1
+                return logits
         x = self._embed(idx)
         for i, w in enumerate(self.layers):
             x = x + self._attention(i, self._norm(x, w.attn_norm), start, cache)
@@ -243,6 +263,42 @@ class PackedLlama(nn.Module):
             cache.length = start + t
         if last_only:
             x = x[:, -1:]
+        return self._logits(self._norm(x, self.norm))
+
+    def _one_step(self, idx: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """The next position's logits (B, 1, vocab) by the static step: replayed as a CUDA graph
+        (captured on first use for this cache buffer), or run eagerly with step_mode="static"."""
+        pos = torch.full((1,), cache.length, dtype=torch.long, device=self.device)
+        if self.step_mode == "static":
+            return self._static_step(idx, pos, cache.k, cache.v)
+        key = (idx.shape[0], cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape)
+        graph = self.graphs.get(key)
+        if graph is None:
+            while len(self.graphs) >= _GRAPHS_KEPT:
+                self.graphs.pop(next(iter(self.graphs)))
+            step = lambda i, p: self._static_step(i, p, cache.k, cache.v)  # noqa: E731 (binds this buffer)
+            graph = self.graphs[key] = GraphedCall(step, (idx, pos), self.graph_pool)
+        return graph(idx, pos).clone()  # the graph's output is overwritten by its next replay
+
+    def _static_step(self, idx: torch.Tensor, pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor):
+        """One token per row at position `pos` (a (1,) device tensor), written into the cache buffers
+        `k_all`/`v_all` (n_layer, B, n_kv_head, capacity, head_dim); attention reads every cached
+        position under a mask of those <= pos. Fixed shapes, no host reads: a CUDA graph can hold it."""
+        cfg = self.cfg
+        b, nq, nkv, hd = idx.shape[0], cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        seen = (torch.arange(k_all.shape[3], device=idx.device) <= pos).view(1, 1, 1, -1)
+        rope = self.rope.index_select(0, pos)
+        x = self._embed(idx)
+        for i, w in enumerate(self.layers):
+            q, k, v = self._qkv(i, self._norm(x, w.attn_norm), rope)
+            k_all[i].index_copy_(2, pos, k)
+            v_all[i].index_copy_(2, pos, v)
+            q = q.reshape(b, nkv, nq // nkv, hd)  # a query head group per kv head (GQA)
+            scores = (q @ k_all[i].transpose(-1, -2)).mul_(hd**-0.5).masked_fill_(~seen, float("-inf"))
+            y = torch.softmax(scores, dim=-1) @ v_all[i]
+            x = x + w.wo(y.reshape(b, 1, nq * hd).to(self.dtype))
+            gate, up = w.gate_up(self._norm(x, w.ffn_norm)).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
         return self._logits(self._norm(x, self.norm))
 
 

@@ -96,12 +96,12 @@ def new_cache(model: nn.Module) -> KVCache:
     return model.new_cache() if hasattr(model, "new_cache") else KVCache(model.cfg.n_layer)
 
 
-def last_logits(model: nn.Module, ids: Sequence[int], cache: KVCache | None) -> torch.Tensor:
-    """fp32 logits (vocab,) after `ids`, which continue what `cache` holds; a packed decoder runs
-    its head on the last position only."""
+def last_logits(model: nn.Module, ids: Sequence[int], cache: KVCache | None, on_device: bool = False) -> torch.Tensor:
+    """fp32 logits (vocab,) after `ids`, which continue what `cache` holds, on the CPU (or left on the
+    model's device: greedy reads only the argmax); a packed decoder runs its head on the last position only."""
     x = torch.tensor([list(ids)], device=model_device(model))
     out = model(x, cache, last_only=True) if hasattr(model, "new_cache") else model(x, cache)
-    return out[0, -1].float().cpu()
+    return out[0, -1].float() if on_device else out[0, -1].float().cpu()
 
 
 @torch.inference_mode()
@@ -122,7 +122,8 @@ def stream_ids(
     ctx = model.cfg.context_length
     window = list(prompt_ids)[-ctx:]
     cache = new_cache(model) if use_cache else None
-    logits = last_logits(model, window, cache)
+    greedy = sampling.temperature <= 0 and sampling.repetition_penalty == 1.0  # the argmax is taken on the device
+    logits = last_logits(model, window, cache, greedy)
     while True:
         nxt = pick_next(
             logits,
@@ -138,11 +139,11 @@ def stream_ids(
         if len(window) > ctx:
             window = window[-(ctx // 2) :]
             cache = new_cache(model) if use_cache else None
-            logits = last_logits(model, window, cache)
+            logits = last_logits(model, window, cache, greedy)
         elif use_cache:
-            logits = last_logits(model, [nxt], cache)
+            logits = last_logits(model, [nxt], cache, greedy)
         else:
-            logits = last_logits(model, window, None)
+            logits = last_logits(model, window, None, greedy)
 
 
 def generate_ids(
