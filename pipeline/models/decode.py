@@ -174,8 +174,7 @@ class PackedLlama(nn.Module):
         self.device = torch.device(device)
         # how a one-token step with a cache runs: "graph" (CUDA), "static" (the graph's step, eager), "dynamic"
         self.step_mode = "graph" if self.device.type == "cuda" else "dynamic"
-        self.graphs: dict[tuple, GraphedCall] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.step_mode == "graph" else None
+        self.graphs: dict[tuple, GraphedCall] = {}  # each with its own memory pool: replayed in any order
         if precision == "int4" and self.device.type != "cpu":
             found = f"device {self.device.type}"
             raise ConfigError(
@@ -276,8 +275,8 @@ class PackedLlama(nn.Module):
         if graph is None:
             while len(self.graphs) >= _GRAPHS_KEPT:
                 self.graphs.pop(next(iter(self.graphs)))
-            step = lambda i, p: self._static_step(i, p, cache.k, cache.v)  # noqa: E731 (binds this buffer)
-            graph = self.graphs[key] = GraphedCall(step, (idx, pos), self.graph_pool)
+            k, v = cache.k, cache.v
+            graph = self.graphs[key] = GraphedCall(lambda i, p: self._static_step(i, p, k, v), (idx, pos))
         return graph(idx, pos).clone()  # the graph's output is overwritten by its next replay
 
     def _static_step(self, idx: torch.Tensor, pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor):
