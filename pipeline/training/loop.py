@@ -240,11 +240,18 @@ class _Run:
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):
-                loss = self.session.module(*(t.to(self.device, non_blocking=True) for t in batch))
+                loss = self.session.module(*(self._on_device(t) for t in batch))
             loss = loss * self._rank_share(batch)
             (loss / len(batches)).backward()
             total += loss.detach().float()
         return dist.mean_across(total / len(batches), self.info)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the device; to CUDA from pinned memory (torch's caching host allocator
+        reuses the pinned blocks), so the copy does not hold up the host."""
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _rank_share(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor | float:
         """Instruct rows under DDP/FSDP: this rank's share of the micro-batch's labelled positions, times the
