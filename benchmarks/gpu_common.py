@@ -43,11 +43,14 @@ class Shape:
     seq: int
     rope_theta: float = 10000.0
 
-    def describe(self) -> str:
+    def describe_model(self) -> str:
         return (
             f"{self.name}: d_model {self.d_model}, {self.n_layer} layers, {self.n_head} heads ({self.n_kv_head} kv), "
-            f"ffn {self.d_ff}, vocab {self.vocab}, tied; batch {self.batch} x seq {self.seq}"
+            f"ffn {self.d_ff}, vocab {self.vocab}, tied"
         )
+
+    def describe(self) -> str:
+        return f"{self.describe_model()}; batch {self.batch} x seq {self.seq}"
 
     def config(self, context: int | None = None) -> TransformerConfig:
         """Our model's config for this shape (context = seq unless given)."""
