@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -104,6 +105,7 @@ def donor_models(spec: str, prompt: str, prompt_tokens: int) -> Models:
 
         if not cpu_copy:
             logging.disable_progress_bar()  # a bar per tensor in a log file
+            os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer's own bar
             loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
             cpu_copy.append(loaded.eval())
         return copy.deepcopy(cpu_copy[0])
@@ -128,6 +130,7 @@ def hf_runner(models: Models, precision: str, static: bool, n: int, device: torc
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = models.hf().to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # never stop early: transformers fills unset keys from it
     gc = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     if static:
         gc.cache_implementation = "static"
@@ -145,7 +148,10 @@ def hf_runner(models: Models, precision: str, static: bool, n: int, device: torc
         start = clock(device)
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=configs[k])
-        return out[0, x.shape[1] :].tolist(), clock(device) - start
+        ids = out[0, x.shape[1] :].tolist()
+        if len(ids) != k:  # a rate over fewer tokens than counted would be wrong
+            raise RuntimeError(f"generate stopped after {len(ids)} of {k} tokens")
+        return ids, clock(device) - start
 
     def run(k: int) -> tuple[list[int], float, float]:
         _, first = gen(1)

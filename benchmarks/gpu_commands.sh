@@ -33,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 PY="${PYTHON:-python3}"
 DONOR="${DONOR:-smollm2}"
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1
 mkdir -p "$OUT"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(train lora decode)
