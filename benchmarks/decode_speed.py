@@ -17,40 +17,33 @@ when fed llama.cpp's prefix; "vs fp32" = the same against our fp32 path's greedy
 fp32 top-2 logit margin at each position where they differ (a small margin = a near-tie). Ours runs
 the dequantized weights (fp32, bf16, or int8 per row), llama.cpp the Q4_1 weights with quantized
 activations, so near-ties can go either way.
+
+On a GPU (issue 19: one H100), ours vs transformers `generate` (dynamic cache) vs transformers' static
+cache compiled, bf16 and fp32, each alone on the device (`decode_contenders.py`; no llama.cpp there):
+
+    python benchmarks/decode_speed.py --device cuda --contenders ours,hf,hf-static --precisions bf16,fp32
+
+`--donor PATH` reads another GGUF; `--donor random --shape 135m` needs neither the GGUF nor gguf-py.
+The same run on this CPU at toy size (proves the code paths; the figures mean nothing):
+
+    python benchmarks/decode_speed.py --device cpu --contenders ours,hf,hf-static --donor random --shape smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
+from decode_contenders import CONTENDERS, run_all, timed  # this folder is on sys.path when run as a script
 
-from pipeline.chat import common_prefix  # noqa: E402
-from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.decode import PRECISIONS, PackedLlama, for_decoding
-from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, stream_ids
 
 PROMPT = "The history of the Python programming language begins"
-
-
-def timed(stream: Iterator[int], n: int) -> tuple[list[int], float, float]:
-    """(ids, prefill seconds, decode seconds) of the first `n` ids of `stream`."""
-    ids: list[int] = []
-    start = time.perf_counter()
-    first = start
-    for tok in stream:
-        if not ids:
-            first = time.perf_counter()
-        ids.append(int(tok))
-        if len(ids) >= n:
-            break
-    end = time.perf_counter()
-    return ids, first - start, end - first
 
 
 def forced_logits(model: torch.nn.Module, prompt_ids: list[int], ref_ids: list[int]) -> torch.Tensor:
@@ -112,6 +105,8 @@ def bench(
 
 
 def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> None:
+    from pipeline.chat import common_prefix  # gguf-py: imported where a GGUF is read (a GPU host may lack it)
+
     print(f"\n{threads} thread(s): decode tok/s = (n-1)/decode time, median of {len(results['llama.cpp'])} runs")
     head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced", "vs fp32")
     print(f"{'':11} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}  {head[5]}")
@@ -133,14 +128,35 @@ def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: 
             print(f"{name} text: {tok.decode(results[name][0][0])!r}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, help="default 64 (CPU vs llama.cpp); with --contenders 256")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--eager", action="store_true", help="also time the plain bf16 module (the old path)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: ours vs transformers")
+    ap.add_argument("--contenders", help=f"from {','.join(CONTENDERS)} (default with cuda: all), one after another")
+    ap.add_argument("--precisions", default="bf16,fp32", help="with --contenders")
+    ap.add_argument("--donor", default="smollm2", help="with --contenders: smollm2, a GGUF path, or random")
+    ap.add_argument("--shape", default="135m", help="with --donor random: a shape of gpu_common.named_shapes")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="with --contenders: the prompt cycled to this")
+    ap.add_argument("--warmup", type=int, default=2, help="with --contenders: untimed runs first")
     args = ap.parse_args()
+    if args.device == "cuda" and not args.contenders:
+        args.contenders = ",".join(CONTENDERS)
+    args.new_tokens = args.new_tokens or (256 if args.contenders else 64)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.contenders:  # one after another on the device (decode_contenders.py)
+        run_all(args, " ".join(["python", *sys.argv]))
+        return
+    from pipeline.gguf.reader import resolve_gguf_path  # gguf-py (see report)
+    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+    from pipeline.models.registry import load_gguf
 
     path = resolve_gguf_path("smollm2")
     model, g = load_gguf(path)

