@@ -165,3 +165,15 @@ def test_other_architectures_get_int8_linear_layers() -> None:
         out = for_decoding(model, "int8")(x).float()
     assert type(model.blocks[0].attn.qkv).__name__ == "Int8Linear"
     assert 0 < float((out - ref).abs().mean() / ref.std()) < 0.05  # as for llama: a few percent of the spread
+
+
+def test_a_failed_graph_capture_decodes_the_same_without_graphs(tiny: torch.nn.Module, caplog) -> None:
+    """Where CUDA graphs cannot be captured (here: no CUDA at all), the decoder warns once and runs the
+    same static step eagerly: the ids do not change."""
+    prompt = ids(6, seed=1)[0].tolist()
+    want = generate_ids(tiny, prompt, 12)
+    model = for_decoding(tiny, "fp32")
+    model.step_mode = "graph"
+    assert generate_ids(model, prompt, 12) == want
+    assert model.step_mode == "static" and not model.graphs
+    assert [r.message for r in caplog.records if "graph capture failed" in r.message][:1]

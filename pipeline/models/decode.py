@@ -25,6 +25,8 @@ per cache buffer: eagerly, the step's ~400 small kernel launches cost more than 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,7 @@ from pipeline.models.base import TransformerConfig, causal_mask
 from pipeline.models.cuda_graph import GraphedCall
 from pipeline.models.llama import Llama, rope_tables
 
+log = logging.getLogger(__name__)
 PRECISIONS = DECODE_PRECISIONS  # int8, int4, bf16, fp32
 INT4_GROUP = 32  # weights per int4 block, as Q4_0/Q4_1
 RESCORED = 64  # candidates of a quantized head recomputed exactly (generate's top_k is 40)
@@ -130,7 +133,8 @@ class StaticKVCache:
         """Room for `n` positions (at most context_length), keeping what is cached."""
         if self.k.numel() and self.k.shape[1] == batch and self.k.shape[3] >= n:
             return
-        capacity = min(max(_FIRST_CAPACITY, n, 2 * (self.k.shape[3] if self.k.numel() else 0)), self.cfg.context_length)
+        first = _FIRST_CAPACITY * (4 if self.device.type == "cuda" else 1)  # each new buffer: a new CUDA graph
+        capacity = min(max(first, n, 2 * (self.k.shape[3] if self.k.numel() else 0)), self.cfg.context_length)
         shape = (self.cfg.n_layer, batch, self.cfg.n_kv_head, capacity, self.cfg.head_dim)
         k, v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         if self.length:
@@ -276,7 +280,12 @@ class PackedLlama(nn.Module):
             while len(self.graphs) >= _GRAPHS_KEPT:
                 self.graphs.pop(next(iter(self.graphs)))
             k, v = cache.k, cache.v
-            graph = self.graphs[key] = GraphedCall(lambda i, p: self._static_step(i, p, k, v), (idx, pos))
+            try:
+                graph = self.graphs[key] = GraphedCall(lambda i, p: self._static_step(i, p, k, v), (idx, pos))
+            except RuntimeError as e:  # a GPU or driver without graph capture: the same step, launched eagerly
+                log.warning(f"decode: CUDA graph capture failed ({e}); decoding without graphs")
+                self.step_mode = "static"
+                return self._static_step(idx, pos, k, v)
         return graph(idx, pos).clone()  # the graph's output is overwritten by its next replay
 
     def _static_step(self, idx: torch.Tensor, pos: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor):
