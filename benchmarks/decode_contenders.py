@@ -27,9 +27,12 @@ from dataclasses import dataclass
 import torch
 from gpu_common import clock, device_name, guarded, hf_llama, memory_label, named_shapes, peak_mib, release
 
+from pipeline.gguf.reader import resolve_gguf_path
+from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.base import init_weights
 from pipeline.models.decode import for_decoding
 from pipeline.models.llama import Llama
+from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, stream_ids
 
 CONTENDERS = ("ours", "hf", "hf-static")
@@ -86,10 +89,6 @@ def load_models(args: argparse.Namespace) -> Models:
 def donor_models(spec: str, prompt: str, prompt_tokens: int) -> Models:
     """Our fp32 model of the GGUF and transformers' of the same file (dequantized by gguf-py), the prompt
     tokenized by our tokenizer (BOS first) and cycled to `prompt_tokens`."""
-    from pipeline.gguf.reader import resolve_gguf_path  # gguf-py: only where a GGUF is read
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
-    from pipeline.models.registry import load_gguf
-
     path = resolve_gguf_path(spec)
     model, g = load_gguf(path)
     tok = tokenizer_from_gguf(g)

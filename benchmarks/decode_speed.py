@@ -23,7 +23,7 @@ cache compiled, bf16 and fp32, each alone on the device (`decode_contenders.py`;
 
     python benchmarks/decode_speed.py --device cuda --contenders ours,hf,hf-static --precisions bf16,fp32
 
-`--donor PATH` reads another GGUF; `--donor random --shape 135m` needs neither the GGUF nor gguf-py.
+`--donor PATH` reads another GGUF; `--donor random --shape 135m` runs random weights of that shape (no donor file needed).
 The same run on this CPU at toy size (proves the code paths; the figures mean nothing):
 
     python benchmarks/decode_speed.py --device cpu --contenders ours,hf,hf-static --donor random --shape smoke
@@ -40,7 +40,11 @@ from collections.abc import Callable
 import torch
 from decode_contenders import CONTENDERS, run_all, timed  # this folder is on sys.path when run as a script
 
+from pipeline.chat import common_prefix
+from pipeline.gguf.reader import resolve_gguf_path
+from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.decode import PRECISIONS, PackedLlama, for_decoding
+from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, stream_ids
 
 PROMPT = "The history of the Python programming language begins"
@@ -105,8 +109,6 @@ def bench(
 
 
 def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> None:
-    from pipeline.chat import common_prefix  # gguf-py: imported where a GGUF is read (a GPU host may lack it)
-
     print(f"\n{threads} thread(s): decode tok/s = (n-1)/decode time, median of {len(results['llama.cpp'])} runs")
     head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced", "vs fp32")
     print(f"{'':11} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}  {head[5]}")
@@ -154,10 +156,6 @@ def main() -> None:
     if args.contenders:  # one after another on the device (decode_contenders.py)
         run_all(args, " ".join(["python", *sys.argv]))
         return
-    from pipeline.gguf.reader import resolve_gguf_path  # gguf-py (see report)
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
-    from pipeline.models.registry import load_gguf
-
     path = resolve_gguf_path("smollm2")
     model, g = load_gguf(path)
     tok = tokenizer_from_gguf(g)

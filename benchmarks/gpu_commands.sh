@@ -64,7 +64,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 has liger_kernel || echo "skipped: liger_kernel not installed (train's hf-liger contender)"
 has peft || echo "skipped: peft not installed (lora's hf contender)"
 donor_ok && have_donor=1 || have_donor=0
-[ $have_donor -eq 0 ] && echo "no donor GGUF readable as DONOR=$DONOR (gguf-py and the file are needed)"
+[ $have_donor -eq 0 ] && echo "no donor GGUF readable as DONOR=$DONOR (see the header: device_prep)"
 
 for part in "${parts[@]}"; do
     case $part in
