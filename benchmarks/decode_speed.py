@@ -23,7 +23,8 @@ cache compiled, bf16 and fp32, each alone on the device (`decode_contenders.py`;
 
     python benchmarks/decode_speed.py --device cuda --contenders ours,hf,hf-static --precisions bf16,fp32
 
-`--donor PATH` reads another GGUF; `--donor random --shape 135m` runs random weights of that shape (no donor file needed).
+`--donor PATH` reads another GGUF; `--donor random --shape 135m` runs random weights of that shape
+(no donor file needed).
 The same run on this CPU at toy size (proves the code paths; the figures mean nothing):
 
     python benchmarks/decode_speed.py --device cpu --contenders ours,hf,hf-static --donor random --shape smoke
