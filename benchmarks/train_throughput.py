@@ -50,10 +50,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from gpu_common import H100_BF16_TFLOPS, pick_shapes  # this folder is on sys.path when run as a script
+from gpu_common import H100_BF16_TFLOPS, Shape, hf_llama, pick_shapes  # this folder is on sys.path when run as a script
 from train_contenders import CONTENDERS, run_all, step_fn
 
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.models.base import init_weights
 from pipeline.models.llama import Llama
 from pipeline.training.runtime import compile_blocks, keep_freed_memory
 
@@ -100,9 +100,13 @@ def flops_per_token(vocab: int, seq: int) -> float:
     return 6 * (N_LAYER * block + vocab * D_MODEL) + 6 * N_LAYER * seq * D_MODEL
 
 
+def cpu_shape(vocab: int, x: torch.Tensor) -> Shape:
+    """The CPU comparison's shape (d_model 256, 4 layers, 4 heads, ffn 688) at `x`'s batch x seq."""
+    return Shape("cpu", vocab, D_MODEL, N_LAYER, N_HEAD, N_HEAD, D_FF, x.shape[0], x.shape[1])
+
+
 def ours(vocab: int, x: torch.Tensor, y: torch.Tensor, compile_: bool) -> Callable[[], float]:
-    cfg = TransformerConfig(vocab, D_MODEL, N_LAYER, N_HEAD, N_HEAD, D_FF, context_length=x.shape[1])
-    model = Llama(cfg)
+    model = Llama(cpu_shape(vocab, x).config())
     init_weights(model, 0.02, 0)
     model.train()
     if compile_:
@@ -111,21 +115,7 @@ def ours(vocab: int, x: torch.Tensor, y: torch.Tensor, compile_: bool) -> Callab
 
 
 def theirs(vocab: int, x: torch.Tensor) -> Callable[[], float]:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=D_MODEL,
-        intermediate_size=D_FF,
-        num_hidden_layers=N_LAYER,
-        num_attention_heads=N_HEAD,
-        num_key_value_heads=N_HEAD,
-        max_position_embeddings=x.shape[1],
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(cfg)
+    model = hf_llama(cpu_shape(vocab, x))
     model.train()
     return step_fn(model, lambda: model(input_ids=x, labels=x).loss)
 

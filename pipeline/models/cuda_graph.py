@@ -17,7 +17,7 @@ import torch
 class GraphedCall:
     """`fn(*inputs)` captured on the current CUDA device; `self(*new_inputs)` replays it."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], pool=None, warmup: int = 2):
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], warmup: int = 2):
         self.inputs = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -26,7 +26,7 @@ class GraphedCall:
                 fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):  # a private memory pool: graphs replay in any order
             self.output = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:

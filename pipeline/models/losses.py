@@ -51,10 +51,12 @@ class ChunkSizes:
     logit_bytes: int  # a chunk's logits, in the matmul dtype
     max_rows: int  # rows per chunk at most
     block: int  # rows per fp32 softmax block; 0: the whole chunk at once
+    nll_bytes: int  # validation's fp32 logits per chunk (`linear_nll`)
+    distill_rows: int  # the distillation loss's rows per chunk; 0: as many as logit_bytes hold
 
 
-CPU_SIZES = ChunkSizes(CHUNK_BYTES, DEFAULT_CHUNK, BLOCK)
-ACCELERATOR_SIZES = ChunkSizes(256 * 2**20, 8192, 0)  # 2730 rows at 49k: 256 MB bf16 + 512 MB fp32
+CPU_SIZES = ChunkSizes(CHUNK_BYTES, DEFAULT_CHUNK, BLOCK, NLL_CHUNK_BYTES, DEFAULT_CHUNK)
+ACCELERATOR_SIZES = ChunkSizes(256 * 2**20, 8192, 0, 512 * 2**20, 0)  # 2730 rows at 49k: 256 MB bf16 + 512 MB fp32
 
 
 def chunk_sizes(device: torch.device) -> ChunkSizes:
@@ -156,10 +158,12 @@ def _rows_within(budget: int, row_bytes: int, most: int = DEFAULT_CHUNK) -> int:
 @torch.no_grad()
 def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """mean CE of `h @ w.T` without gradients, `chunk` rows of fp32 logits at a time, by default as many
-    as `NLL_CHUNK_BYTES` hold (validation: the whole (tokens x vocab) logits and their log-softmax were
-    800 MB at 4 x 512 tokens). One chunk is exactly `F.cross_entropy` of the plain path."""
+    as the device's `chunk_sizes` allow (`NLL_CHUNK_BYTES` on a CPU: validation's whole (tokens x vocab)
+    logits and their log-softmax were 800 MB at 4 x 512 tokens). One chunk is exactly `F.cross_entropy`
+    of the plain path."""
     n = h.shape[0]
-    chunk = chunk or _rows_within(NLL_CHUNK_BYTES * (1 if h.device.type == "cpu" else 8), w.shape[0] * 4)
+    sizes = chunk_sizes(h.device)
+    chunk = chunk or _rows_within(sizes.nll_bytes, w.shape[0] * 4, sizes.max_rows)
     if n <= chunk:
         return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), targets)
     total = torch.zeros((), dtype=torch.float64, device=h.device)
@@ -295,9 +299,7 @@ def linear_distill_loss(
     """
     dtype = _matmul_dtype(h)
     sizes = chunk_sizes(h.device)
-    if chunk is None:
-        wide = sizes.max_rows > DEFAULT_CHUNK
-        chunk = _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows) if wide else DEFAULT_CHUNK
+    chunk = chunk or sizes.distill_rows or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
     k = teacher[0].shape[-1]
     ids, logp, tail = teacher[0].reshape(-1, k), teacher[1].reshape(-1, k), teacher[2].reshape(-1)
     with torch.autocast(device_type=h.device.type, enabled=False):
