@@ -164,8 +164,10 @@ def child(args: argparse.Namespace) -> dict:
     sampler = RowSampler(load_rows(args.data), args.batch_size, seed=0)
     device = torch.device(args.device)
     times, losses = [], []
+    ours = not args.child.startswith("hf")
     for i in range(args.warmup + args.steps):
-        x, y, seg = (rows.to(device) for rows in sampler())
+        x, y, seg = sampler()  # ours: labels and segment ids stay on the host, as the train loop keeps them
+        x, y, seg = (x.to(device), *((y, seg) if ours else (y.to(device), seg.to(device))))
         t = clock(device)
         losses.append(step(x, y, seg))
         if i >= args.warmup:

@@ -16,11 +16,18 @@ from pipeline.models import decode, losses
 from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.decode import PackedLlama
 from pipeline.models.llama import Llama
-from pipeline.models.losses import ACCELERATOR_SIZES, linear_cross_entropy, linear_distill_loss, top_k_targets
+from pipeline.models.losses import (
+    ACCELERATOR_SIZES,
+    IGNORE_INDEX,
+    linear_cross_entropy,
+    linear_distill_loss,
+    top_k_targets,
+)
+from pipeline.models.registry import build_model
 from pipeline.models.sampling import generate_ids
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import queued
-from pipeline.training.loop import train
+from pipeline.training.loop import Hooks, _Run, train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.runtime import NonFiniteError
 from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
@@ -184,3 +191,83 @@ def test_cuda_graph_decode_gives_the_eager_steps_ids_and_logits(precision: str, 
         graphed(x, caches[0]), eager(x, caches[1])
         step = torch.tensor([[5]], device="cuda")
         torch.testing.assert_close(graphed(step, caches[0]), eager(step, caches[1]), rtol=0, atol=1e-3)
+
+
+# --- nothing in a queued CUDA step waits for the device ----------------------------------------------
+
+
+def _packed_problem(arch: str):
+    """A tiny model and two packed rows: examples of 7 and 9 tokens then padding, a 3-token example
+    filling the second row; prompt positions (IGNORE_INDEX) in each."""
+    cfg = TransformerConfig(
+        vocab_size=50, d_model=32, n_layer=2, n_head=2, n_kv_head=1 if arch == "llama" else 2, d_ff=64,
+        context_length=32, arch=arch,
+    )  # fmt: skip
+    model = build_model(cfg)
+    init_weights(model, 0.1, 0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (2, 20), generator=g)
+    y = torch.randint(0, 50, (2, 20), generator=g)
+    seg = torch.tensor([[1] * 7 + [2] * 9 + [0] * 4, [1] * 3 + [2] * 17])
+    y[0, :3] = y[0, 7:11] = y[1, :2] = IGNORE_INDEX
+    y[seg == 0] = IGNORE_INDEX
+    return model, x, y, seg
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_host_labels_give_the_all_device_loss_and_gradients(arch: str, packed: bool) -> None:
+    """Labels and segment ids left on the host (as the loop leaves them on CUDA) give exactly the loss
+    and gradients of the same batch all on the GPU."""
+    model, x, y, seg = _packed_problem(arch)
+    model = model.cuda()
+    extra = (seg,) if packed else ()
+
+    def loss_and_grads(*batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(*batch)
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    host = loss_and_grads(x.cuda(), y, *extra)
+    device = loss_and_grads(x.cuda(), y.cuda(), *(t.cuda() for t in extra))
+    assert torch.equal(host[0], device[0])
+    assert all(torch.equal(a, b) for a, b in zip(host[1], device[1]))
+
+
+@pytest.mark.cuda
+def test_packed_rows_step_from_host_labels_never_waits_for_the_device() -> None:
+    """Forward and backward of packed rows whose labels and segment ids are on the host: no call in them
+    synchronizes with the GPU (`set_sync_debug_mode("error")` raises on any that does)."""
+    model, x, y, seg = _packed_problem("llama")
+    model = model.cuda()
+    x = x.cuda()
+    model.loss(x, y, seg).backward()  # warm-up: lazy initialisations may synchronize once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model.loss(x, y, seg)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+def test_a_queued_cuda_training_step_never_waits_for_the_device(project: Path) -> None:
+    """The loop's steps between two log steps (batches, forward, loss, backward, clipping, fused AdamW
+    with its on-device skip) queue work without one synchronizing call."""
+    packed = project / "data" / "packed"
+    model = load_model_dir(project / "models" / "init")
+    tcfg = replace(TCFG, device="cuda", log_every=100, eval_every=100)
+    run = _Run(
+        model, load_split(packed, "train"), load_split(packed, "val"), tcfg, OptimConfig(), 0, Hooks(), None, None
+    )
+    assert run.queue is not None
+    run.step(0)  # warm-up: lazy initialisations may synchronize once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            run.step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    run.settle()

@@ -21,7 +21,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError, problem
 from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
-from pipeline.models.varlen import PackedRows
+from pipeline.models.varlen import PackedRows, to_device
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
 
@@ -210,9 +210,9 @@ class DecoderLM(nn.Module):
         self.norm = norm
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Input of the first block for tokens at positions start.., or at `positions` (one per token of
-        `idx` (1, N): packed examples), and the RoPE tables, if any."""
+    def embed(self, idx: torch.Tensor, start: int, rows: PackedRows | None) -> tuple[torch.Tensor, Rope]:
+        """Input of the first block for tokens at positions start.., or at `rows.positions` (one per token
+        of `idx` (1, N): packed examples), and the RoPE tables, if any."""
         raise NotImplementedError
 
     def tokens(self, idx: torch.Tensor) -> torch.Tensor:
@@ -242,7 +242,7 @@ class DecoderLM(nn.Module):
         is never computed, each example sees only itself, positions restart at each example."""
         if idx.shape[1] > self.cfg.context_length:
             raise ValueError(f"rows of {idx.shape[1]} tokens exceed context_length {self.cfg.context_length}")
-        x, rope = self.embed(rows.select(idx).unsqueeze(0), 0, rows.positions)
+        x, rope = self.embed(rows.select(idx).unsqueeze(0), 0, rows)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None, i, rows)
         return self.norm(x)[0]
@@ -256,12 +256,13 @@ class DecoderLM(nn.Module):
 
         With gradients on, the head and the softmax run chunked (`linear_cross_entropy`), so the
         (tokens x vocab) fp32 logits are never materialised; without, the plain path a chunk of rows
-        at a time (`linear_nll`).
+        at a time (`linear_nll`). `targets` and `segment_ids` may be on the host with `idx` on a GPU:
+        the positions that count are then found on the host, without waiting for the device.
         """
         if segment_ids is None:
             h, t = select_targets(self.hidden(idx).flatten(0, 1), targets.flatten())
         else:  # packed rows: only the real tokens are computed (`pipeline.models.varlen`)
-            rows = PackedRows(segment_ids)
+            rows = PackedRows(segment_ids, idx.device)
             h, t = select_targets(self.packed_hidden(idx, rows), rows.select(targets))
         if torch.is_grad_enabled():
             return linear_cross_entropy(h, self.head_weight(), t)
@@ -279,7 +280,8 @@ class DecoderLM(nn.Module):
         of every position (token windows: no ignored targets), and its detached (CE, KD) parts;
         chunked as `loss` is (`pipeline.models.losses.linear_distill_loss`)."""
         h = self.hidden(idx).flatten(0, 1)
-        return linear_distill_loss(h, self.head_weight(), targets.flatten(), teacher, weight, temperature)
+        t = to_device(targets.flatten(), h.device)
+        return linear_distill_loss(h, self.head_weight(), t, teacher, weight, temperature)
 
 
 def init_weights(model: DecoderLM, std: float, seed: int) -> None:

@@ -74,8 +74,10 @@ class GPT2(DecoderLM):
         )
         self._output(cfg, nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps))
 
-    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Token plus position vectors; packed examples (`positions`) each start at position 0."""
-        if positions is None:
+    def embed(self, idx: torch.Tensor, start: int, rows: PackedRows | None) -> tuple[torch.Tensor, Rope]:
+        """Token plus position vectors; packed examples (`rows`) each start at position 0."""
+        if rows is None:
             positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        else:
+            positions = rows.positions
         return self.tokens(idx) + self.pos_embd(positions), None

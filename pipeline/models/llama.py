@@ -165,10 +165,10 @@ class Llama(DecoderLM):
         )
         self._output(cfg, RMSNorm(cfg.d_model, cfg.norm_eps))
 
-    def embed(self, idx: torch.Tensor, start: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, Rope]:
-        """Token vectors and the RoPE tables of positions start.. (or of `positions`, one per token)."""
-        if positions is None:
+    def embed(self, idx: torch.Tensor, start: int, rows: PackedRows | None) -> tuple[torch.Tensor, Rope]:
+        """Token vectors and the RoPE tables of positions start.. (or of `rows.positions`, one per token)."""
+        if rows is None:
             cos, sin = rope_tables(self.cfg, start + idx.shape[1], idx.device)
             return self.tokens(idx), (cos[start:], sin[start:])
-        cos, sin = rope_tables(self.cfg, int(positions.max()) + 1, idx.device)
-        return self.tokens(idx), (cos[positions], sin[positions])
+        cos, sin = rope_tables(self.cfg, rows.longest, idx.device)
+        return self.tokens(idx), (cos[rows.positions], sin[rows.positions])

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.models.varlen import to_device
+
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
 CHUNK_BYTES = 16 * 2**20  # ... and at most this many bytes of logits (bf16 at a 49k vocabulary: 170 rows)
@@ -174,13 +176,20 @@ def linear_nll(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: i
 
 
 def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of `h` (N, d) and `targets` (N,) whose target is not IGNORE_INDEX (all rows when none is)."""
+    """Rows of `h` (N, d) and `targets` (N,) whose target is not IGNORE_INDEX (all rows when none is),
+    both on `h`'s device.
+
+    `targets` may stay on the host while `h` is on a GPU (the training loop keeps them there): which
+    rows count is then worked out on the host, and nothing waits for the device's queued kernels."""
     keep = targets != IGNORE_INDEX
     if bool(keep.all()):
-        return h, targets
+        return h, to_device(targets, h.device)
     if not bool(keep.any()):
         raise ValueError("every target is IGNORE_INDEX: a batch without any position to learn")
-    return h[keep], targets[keep]
+    if targets.device == h.device:
+        return h[keep], targets[keep]
+    where = torch.nonzero(keep).squeeze(1)
+    return h.index_select(0, to_device(where, h.device)), to_device(targets[where], h.device)
 
 
 def top_k_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -33,30 +33,40 @@ class Bucket:
 
 
 class PackedRows:
-    """The real tokens of (B, T) packed rows and how they split into examples."""
+    """The real tokens of (B, T) packed rows and how they split into examples.
 
-    def __init__(self, segment_ids: torch.Tensor):
+    Built where `segment_ids` live, its index tensors then moved to `device`: the training loop keeps
+    a batch's segment ids on the host, so on a GPU building them waits for nothing (`nonzero`, `max`
+    and `tolist` on device tensors would each wait for every queued kernel)."""
+
+    def __init__(self, segment_ids: torch.Tensor, device: torch.device | None = None):
         seg = segment_ids.reshape(-1)
-        self.keep = torch.nonzero(seg != 0).squeeze(1)  # flat (B*T) index of each real token
-        row = self.keep // segment_ids.shape[-1]
-        ids = row * (int(segment_ids.max()) + 1) + seg[self.keep]  # unique per (row, example)
+        keep = torch.nonzero(seg != 0).squeeze(1)  # flat (B*T) index of each real token
+        row = keep // segment_ids.shape[-1]
+        ids = row * (int(segment_ids.max()) + 1) + seg[keep]  # unique per (row, example)
         starts = torch.ones_like(ids, dtype=torch.bool)
         starts[1:] = ids[1:] != ids[:-1]
         first = torch.nonzero(starts).squeeze(1)
         lengths = torch.diff(first, append=torch.tensor([len(ids)], device=ids.device))
         example = torch.cumsum(starts.long(), 0) - 1
-        self.positions = torch.arange(len(ids), device=ids.device) - first[example]  # restart at each example
-        self.buckets = _buckets(first, lengths, example, self.positions)
-        order = torch.cat([b.tokens for b in self.buckets])
-        self.inverse = torch.empty_like(order)
-        self.inverse[order] = torch.arange(len(order), device=order.device)
+        positions = torch.arange(len(ids), device=ids.device) - first[example]  # restart at each example
+        self.longest = int(lengths.max()) if len(lengths) else 0  # positions run 0 .. longest-1
+        buckets = _buckets(first, lengths, example, positions)
+        order = torch.cat([b.tokens for b in buckets])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        device = segment_ids.device if device is None else torch.device(device)
+        self._host_keep = keep
+        self.keep, self.positions, self.inverse = (to_device(t, device) for t in (keep, positions, inverse))
+        self.buckets = [Bucket(*(to_device(t, device) for t in (b.gather, b.scatter, b.tokens))) for b in buckets]
 
     def __len__(self) -> int:
         return len(self.keep)
 
     def select(self, t: torch.Tensor) -> torch.Tensor:
-        """The real tokens' entries of a (B, T, ...) tensor, as (N, ...)."""
-        return t.flatten(0, 1).index_select(0, self.keep)
+        """The real tokens' entries of a (B, T, ...) tensor, as (N, ...), on `t`'s device."""
+        keep = self.keep if t.device == self.keep.device else self._host_keep.to(t.device)
+        return t.flatten(0, 1).index_select(0, keep)
 
     @torch.compiler.disable  # a loop over this batch's buckets: compiled blocks call it as it is
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -87,6 +97,16 @@ def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, 
         scatter = slot_of[example[tokens]] * length + positions[tokens]
         out.append(Bucket(gather, scatter, tokens))
     return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes to CUDA from pinned memory, so the copy does not hold up the host
+    (torch's caching host allocator reuses the pinned blocks)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,7 @@ def wrap(module: nn.Module, mode: str, info: DistInfo, device: torch.device) -> 
         return module
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [device.index] if device.type == "cuda" else None
     # buffers are constants every rank loads alike (a fine-tune's frozen blocks and their cached copies:
-    # hundreds of MB), so they are not re-broadcast at every forward
-    return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
+    # hundreds of MB), so they are not re-broadcast at every forward. No device_ids: with them DDP would move
+    # every input to the GPU, and the loop keeps labels and segment ids on the host (`_Run._placed`).
+    return DistributedDataParallel(module, device_ids=None, broadcast_buffers=False)

@@ -26,6 +26,7 @@ from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher import TeacherCache
 from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.varlen import to_device
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
@@ -156,7 +157,8 @@ class _Run:
         self.session = Session(model, tcfg, optim, self.device, donor)
         self.info = self.session.info
         self.sampler = make_sampler(train_data, tcfg, seed, teacher if tcfg.distill.enabled else None)
-        self.rows = is_rows(train_data) or is_images(train_data)  # epochs over items, not random windows
+        self.packed, self.images = is_rows(train_data), is_images(train_data)
+        self.rows = self.packed or self.images  # epochs over items, not random windows
         self.tokens_per_step = tcfg.batch_size * sequence_length(train_data, tcfg) * tcfg.grad_accum
         resume = None if plan is None else plan.resume
         self.state = LoopState() if resume is None else restore(resume, self.session, self.sampler)
@@ -240,18 +242,20 @@ class _Run:
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):
-                loss = self.session.module(*(self._on_device(t) for t in batch))
+                loss = self.session.module(*self._placed(batch))
             loss = loss * self._rank_share(batch)
             (loss / len(batches)).backward()
             total += loss.detach().float()
         return dist.mean_across(total / len(batches), self.info)
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A batch tensor on the device; to CUDA from pinned memory (torch's caching host allocator
-        reuses the pinned blocks), so the copy does not hold up the host."""
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+    def _placed(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A micro-batch as the model takes it. Inputs (and cached donor targets) go to the device; on CUDA a
+        token batch's labels and a packed batch's segment ids stay on the host, where the model finds the
+        positions that count without waiting for the queued kernels (`select_targets`, `PackedRows`)."""
+        if self.device.type != "cuda" or self.images:
+            return tuple(to_device(t, self.device) for t in batch)
+        x, y, *extra = batch
+        return (to_device(x, self.device), y, *(t if self.packed else to_device(t, self.device) for t in extra))
 
     def _rank_share(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor | float:
         """Instruct rows under DDP/FSDP: this rank's share of the micro-batch's labelled positions, times the

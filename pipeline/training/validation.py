@@ -60,8 +60,8 @@ def response_nll(model: nn.Module, packed: Packed, batch_size: int, device: torc
     total, count = 0.0, 0
     for i in range(0, len(packed.input_ids), batch_size):
         x = torch.from_numpy(packed.input_ids[i : i + batch_size]).to(device)
-        y = torch.from_numpy(packed.labels[i : i + batch_size]).to(device)
-        seg = torch.from_numpy(packed.segment_ids[i : i + batch_size].astype(np.int64)).to(device)
+        y = torch.from_numpy(packed.labels[i : i + batch_size])  # on the host, as the loop keeps them
+        seg = torch.from_numpy(packed.segment_ids[i : i + batch_size].astype(np.int64))
         n = int((y != IGNORE_INDEX).sum())
         if n:
             total += float(model.loss(x, y, seg)) * n
