@@ -15,6 +15,8 @@ recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
   own packed-sequence masking, as `DataCollatorWithFlattening` feeds it), torch AdamW.
 - `qlora-q4_1`: recipe=qlora on the same file (the base stays in its Q4_1 blocks).
 - `qlora-q4_k_m`: recipe=qlora on a Q4_K_M base that llama.cpp's quantizer makes from the file.
+- `qlora-q8_0`, `qlora-q4_0`: recipe=qlora on a Q8_0 / Q4_0 base that gguf-py's quantizer makes from the
+  file (no llama.cpp needed: these run on the GPU host too; the token table stays Q8_0, as llama.cpp's).
 
 Reported per contender: the median step's tokens/s over every timed step of every round (the
 first `--warmup` steps of a process are not timed) and the peak RSS of its process (ru_maxrss:
@@ -53,7 +55,8 @@ from gpu_common import clock, device_name  # this folder is on sys.path when run
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")  # the CPU default
-CONTENDERS = (*CPU_CONTENDERS, "ours-compile")
+CONTENDERS = (*CPU_CONTENDERS, "ours-compile", "qlora-q8_0", "qlora-q4_0")
+LEGACY_BASES = {"qlora-q8_0": "q8_0", "qlora-q4_0": "q4_0"}  # contender -> export dtype gguf-py quantizes
 CUDA_CONTENDERS = ("ours", "ours-compile", "hf")
 
 
@@ -250,6 +253,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def requantized(src: Path, dst: Path, dtype: str) -> Path:
+    """`src` with its matrices dequantized and quantized again as `dtype` by gguf-py (the export stage's
+    writer), every metadata key copied with its type: a legacy-quant QLoRA base without llama.cpp."""
+    from pipeline.gguf.reader import GGUFFile
+    from pipeline.gguf.writer import write_gguf
+
+    g = GGUFFile(src)
+    skip = {"general.architecture", "general.file_type"}  # the writer sets the first; the second would lie
+    meta = {k: g.typed_field(k) for k in g.metadata if k not in skip}
+    return write_gguf(dst, g.architecture, meta, {n: g.tensor(n) for n in g.tensor_names()}, dtype=dtype)
+
+
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every contender's child `--repeats` times, alternated; their figures summarized."""
     sys.path.insert(0, str(ROOT))
@@ -263,6 +278,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         bases = {name: donor for name in names}
         if "qlora-q4_k_m" in names:  # llama.cpp's quantizer, requantizing the donor's Q4_1 blocks
             bases["qlora-q4_k_m"] = llamacpp_quantize(donor, Path(tmp) / "q4_k_m.gguf", "q4_k_m", requantize=True)
+        for name in set(names) & set(LEGACY_BASES):
+            bases[name] = requantized(donor, Path(tmp) / f"{LEGACY_BASES[name]}.gguf", LEGACY_BASES[name])
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for _ in range(args.repeats):
             for name in names:
