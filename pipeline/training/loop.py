@@ -134,7 +134,7 @@ def train(
             bar.update(1)
             if isinstance(row["train_loss"], float):  # read already (a queued step's is read when logged)
                 bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
-            stop = dist.any_rank(bool(asked), run.info, run.device)
+            stop = run.stop_agreed(bool(asked))
             run.checkpoint_if_due(stop or run.state.stopped_early)
             if stop:
                 bar.close()
@@ -173,6 +173,15 @@ class _Run:
     def log(self, row: dict[str, float], step: int) -> None:
         if self.info.is_main:
             self.hooks.log(row, step)
+
+    def stop_agreed(self, asked: bool) -> bool:
+        """Whether every rank stops after this step. The ranks agree by an all-reduce that waits for the
+        device, so a queued run under DDP votes only right after its figures were read (nothing queued:
+        the wait is already paid; every rank reads at the same steps): a stop asked in between takes effect
+        at the next such step."""
+        if self.info.enabled and self.queue is not None and self.queue.rows:
+            return False
+        return dist.any_rank(asked, self.info, self.device)
 
     def validate(self) -> dict[str, float]:
         """`val_loss` (and `val_accuracy` for images). On CPU the heap's free pages go back first: the
