@@ -89,8 +89,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 z = torch.mm(hc, wc.t(), out=logits[:c])
                 for b in range(0, c, rows):
                     total += _softmax_nll_(z[b : b + rows], tc[b : b + rows], block)
-                at = torch.arange(c, device=dev)
-                z.index_put_((at, tc), torch.full((c,), -1.0, dtype=dtype, device=dev), accumulate=True)
+                _add_at_targets_(z, tc, -1.0)
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 if ctx.needs_input_grad[1]:  # a frozen head (LoRA's tied embedding) needs no weight gradient
                     part = torch.mm(z.t(), hc)
@@ -120,6 +119,13 @@ def _save_mean_grads(ctx, grad_h: torch.Tensor, grad_w: torch.Tensor | None, n: 
         grad_w.mul_(1.0 / n)
     ctx.save_for_backward(grad_h, grad_w)
     ctx.h_dtype, ctx.w_dtype = h_dtype, w_dtype
+
+
+def _add_at_targets_(z: torch.Tensor, targets: torch.Tensor, value: float) -> None:
+    """`z[i, targets[i]] += value` for every row: one entry per row, so a gather and a plain scatter
+    (index_put_'s accumulate mode sorts its indices on CUDA, for duplicates that cannot occur here)."""
+    at = torch.arange(z.shape[0], device=z.device)
+    z.index_put_((at, targets), z[at, targets] + value)
 
 
 def _softmax_nll_(z: torch.Tensor, targets: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -285,7 +291,7 @@ def _distill_block_(
     g = (log_r.exp() - q).mul_(temperature * weight)  # d(w*T^2*KL) / d(log p_coarse)
     x.mul_(((1.0 - weight) + g[:, -1] / s_tail.clamp_min(_TAIL_FLOOR)).unsqueeze(-1))
     x.scatter_(1, ids, s_k * (1.0 - weight) + g[:, :-1])
-    x.index_put_((r, targets), torch.full((x.shape[0],), weight - 1.0, device=x.device), accumulate=True)
+    _add_at_targets_(x, targets, weight - 1.0)
     if buf is not None:
         z.copy_(x)
     return torch.stack((ce, kl))
