@@ -4,7 +4,15 @@
 # each one's output tee'd to $OUT/ (default benchmarks/results/). Run from the repository root:
 #
 #     bash benchmarks/gpu_commands.sh                 # all three
-#     bash benchmarks/gpu_commands.sh train           # or some of: train lora decode
+#     bash benchmarks/gpu_commands.sh train           # or some of: train lora decode profile
+#
+# `profile` (not in the default list: the three fill one call) says where a training step's time goes: our loop
+# on the 135m shape under torch.profiler (benchmarks/profile_step.py: step time and MFU, host waits per step and
+# where they come from, kernels per step, GPU idle share, time by category, top kernels), eager, then compiled in
+# a second invocation (a compile that runs past its timeout loses only its own figures). Run it as the follow-up
+# call (about 4 minutes at most):
+#     bash benchmarks/gpu_commands.sh profile
+# It also writes $OUT/profile_135m_cuda[_compile].json and gzipped chrome traces $OUT/profile_135m_*.json.gz.
 #
 # Most of the time goes to torch.compile (ours-compile, hf-compile, hf-static: roughly 0.5-2 min per model on
 # a 16-core host); every benchmark prints each contender's line as it finishes, so one that runs past its
@@ -24,8 +32,9 @@
 # speed, meaningless ids). liger-kernel (optional, hf-liger): add `liger-kernel` to device_prep's arguments.
 #
 # Environment: OUT (results folder), PYTHON (default python3), DONOR (smollm2 or a GGUF path),
-# TRAIN_TIMEOUT / LORA_TIMEOUT / DECODE_TIMEOUT (seconds; defaults 260 / 120 / 160), DRY_RUN=1 (print the
-# commands, run nothing: to check the script where there is no GPU).
+# TRAIN_TIMEOUT / LORA_TIMEOUT / DECODE_TIMEOUT (seconds; defaults 260 / 120 / 160), PROFILE_TIMEOUT /
+# PROFILE_COMPILE_TIMEOUT (defaults 90 / 150), DRY_RUN=1 (print the commands, run nothing: to check the script
+# where there is no GPU).
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -92,6 +101,14 @@ for part in "${parts[@]}"; do
             --shape 135m --contenders ours,hf,hf-static --precisions bf16,fp32 --prompt-tokens 32 \
             --new-tokens 256 --warmup 1 --repeats 3
         ;;
-    *) echo "unknown part $part (train, lora, decode)" ;;
+    profile)
+        for mode in eager compile; do
+            flag=() name=profile limit=${PROFILE_TIMEOUT:-90}
+            [ $mode = compile ] && flag=(--compile) name=profile_compile limit=${PROFILE_COMPILE_TIMEOUT:-150}
+            bench $name "$limit" benchmarks/profile_step.py --device cuda --shape 135m "${flag[@]}" --steps 5 \
+                --warmup 3 --out "$OUT" --trace "$OUT/profile_135m_$mode.json.gz"
+        done
+        ;;
+    *) echo "unknown part $part (train, lora, decode, profile)" ;;
     esac
 done
