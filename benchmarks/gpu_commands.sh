@@ -11,8 +11,11 @@
 # where they come from, kernels per step, GPU idle share, time by category, top kernels), eager, then compiled in
 # a second invocation (a compile that runs past its timeout loses only its own figures). Run it as the follow-up
 # call (about 4 minutes at most):
-#     bash benchmarks/gpu_commands.sh profile
+#     bash benchmarks/gpu_commands.sh profile qlora
 # It also writes $OUT/profile_135m_cuda[_compile].json and gzipped chrome traces $OUT/profile_135m_*.json.gz.
+# `qlora` (also not in the default list) runs QLoRA on the donor's own Q4_1 blocks and on Q8_0 / Q4_0 bases
+# that gguf-py requantizes from it, against ours (LoRA on bf16) and PEFT: the QLoRA-on-CUDA figures.
+# (K-quant bases need llama.cpp's quantizer, which the GPU host lacks.)
 #
 # Most of the time goes to torch.compile (ours-compile, hf-compile, hf-static: roughly 0.5-2 min per model on
 # a 16-core host); every benchmark prints each contender's line as it finishes, so one that runs past its
@@ -33,7 +36,7 @@
 #
 # Environment: OUT (results folder), PYTHON (default python3), DONOR (smollm2 or a GGUF path),
 # TRAIN_TIMEOUT / LORA_TIMEOUT / DECODE_TIMEOUT (seconds; defaults 260 / 120 / 160), PROFILE_TIMEOUT /
-# PROFILE_COMPILE_TIMEOUT (defaults 90 / 150), DRY_RUN=1 (print the commands, run nothing: to check the script
+# PROFILE_COMPILE_TIMEOUT (defaults 90 / 150), QLORA_TIMEOUT (180), DRY_RUN=1 (print the commands, run nothing: to check the script
 # where there is no GPU).
 set -u -o pipefail
 
@@ -109,6 +112,17 @@ for part in "${parts[@]}"; do
                 --warmup 3 --out "$OUT" --trace "$OUT/profile_135m_$mode.json.gz"
         done
         ;;
-    *) echo "unknown part $part (train, lora, decode, profile)" ;;
+    qlora)
+        if [ $have_donor -eq 0 ]; then
+            echo "skipped: qlora (it needs the donor GGUF; see the top of this script)"
+            continue
+        fi
+        contenders=ours,hf,qlora-q4_1,qlora-q8_0,qlora-q4_0
+        has peft || contenders=ours,qlora-q4_1,qlora-q8_0,qlora-q4_0
+        bench qlora "${QLORA_TIMEOUT:-180}" benchmarks/lora_speed.py --device cuda --donor "$DONOR" \
+            --contenders "$contenders" --batch-size 8 --seq-len 1024 --repeats 1 --steps 10 --warmup 3 \
+            --log "$OUT/gpu_qlora_children.jsonl"
+        ;;
+    *) echo "unknown part $part (train, lora, decode, profile, qlora)" ;;
     esac
 done

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
-from pipeline.models.varlen import PackedRows
+from pipeline.models.varlen import PackedRows, to_device
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -53,7 +53,8 @@ def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> t
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
     if cfg.rope_freq_factors:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
-        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, device=device, dtype=torch.float32)
+        factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq / to_device(factors, device)  # a blocking copy would wait for the GPU's queue
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv_freq)
     return angles.cos(), angles.sin()

@@ -272,7 +272,7 @@ class _Run:
         mean, as one process computes it, however the response tokens fall on the ranks; 1 otherwise."""
         if not (self.rows and self.info.enabled):
             return 1.0
-        n = (batch[1] != IGNORE_INDEX).sum().to(self.device, torch.float32)
+        n = to_device((batch[1] != IGNORE_INDEX).sum().float(), self.device)  # counted on the host: no wait
         return n / dist.mean_across(n, self.info)
 
     def record(self, step: int, row: dict[str, float], epoch_end: bool) -> None:
