@@ -82,7 +82,7 @@ for part in "${parts[@]}"; do
     case $part in
     train)
         bench train "${TRAIN_TIMEOUT:-260}" benchmarks/train_throughput.py --device cuda \
-            --shapes 135m,tiny,small,tiny-default --contenders ours,ours-compile,hf,hf-compile,hf-liger \
+            --shapes 135m,tiny,small,tiny-default --contenders ours,ours-graph,ours-compile,hf,hf-compile,hf-liger \
             --steps 10 --warmup 3
         ;;
     lora)

@@ -1,7 +1,7 @@
 """Where a training step's time goes: torch.profiler over our real training loop (`pipeline.training.loop.train`:
 queued figures on CUDA, pinned batches, chunked loss, fused AdamW, clip 1.0) on a named `gpu_common` shape.
 
-    PYTHONPATH=. python benchmarks/profile_step.py --device cuda --shape 135m [--compile] [--trace t.json.gz]
+    PYTHONPATH=. python benchmarks/profile_step.py --device cuda --shape 135m [--compile|--cuda-graph] [--trace t.gz]
     PYTHONPATH=. python benchmarks/profile_step.py --device cpu --shape smoke --steps 2 --warmup 1
 
 A run: `--warmup` steps, `--steps` timed ones without the profiler, `--steps` profiled ones, one more (the loop
@@ -162,9 +162,10 @@ def run_loop(args: argparse.Namespace, shape: Shape, window: Window) -> loop.Tra
     data = np.random.default_rng(0).integers(0, shape.vocab, size=4 * shape.batch * (shape.seq + 1))
     total = window.start + window.steps + 1
     batch = dict(steps=total, batch_size=shape.batch, seq_len=shape.seq, precision=args.precision)
-    run = dict(device=args.device, compile=args.compile, max_epochs=0.0, keep_best=False, checkpoint_every=0)
+    run = dict(device=args.device, compile=args.compile, cuda_graph=args.cuda_graph, keep_best=False)
     # validation only at the last step (after the window); exactly one log step inside the window
-    tcfg = TrainConfig(**batch, **run, resume="never", eval_every=total, log_every=window.log_step + 1)
+    cadence = dict(eval_every=total, log_every=window.log_step + 1, max_epochs=0.0, checkpoint_every=0)
+    tcfg = TrainConfig(**batch, **run, **cadence, resume="never")
     real = loop.lr_at
 
     def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -273,8 +274,8 @@ def summarize(window: Window, shape: Shape, args: argparse.Namespace, seconds: f
     top, cats = tables(costs(events, ranges, window.cuda), n, window_us, args.top)
     tokens, fpt = shape.batch * shape.seq, train_flops_per_token(shape)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (H100_BF16_TFLOPS * 1e12 if window.cuda else None)
-    s: dict[str, Any] = dict(shape=shape.describe(), device=device_name(window.device), compile=args.compile)
-    s.update(precision=args.precision, warmup=args.warmup, steps=n, tokens_per_step=tokens, seconds=seconds)
+    s: dict[str, Any] = dict(shape=shape.describe(), device=device_name(window.device), steps=n, seconds=seconds)
+    s.update({k: getattr(args, k) for k in ("compile", "cuda_graph", "precision", "warmup")}, tokens_per_step=tokens)
     s.update(step_ms=statistics.median(profiled), step_ms_unprofiled=statistics.median(timed), step_ms_each=profiled)
     s.update(peak_tflops=peak / 1e12 if peak else None, categories=cats, top=top)
     for key in ("", "_unprofiled"):
@@ -296,7 +297,7 @@ def summarize(window: Window, shape: Shape, args: argparse.Namespace, seconds: f
 def report(s: dict[str, Any], cuda: bool) -> None:
     """The summary as plain lines: timing, host waits, GPU use, then the tables."""
     w, each = s["host_waits"], lambda xs: " ".join(f"{x:.1f}" for x in xs)
-    mode = "compiled blocks (train.compile=true)" if s["compile"] else "eager"
+    mode = "train.cuda_graph=true" if s.get("cuda_graph") else "train.compile=true" if s["compile"] else "eager"
     reads = "it reads the queued figures: one wait by design" if cuda else "on CPU every step reads its figures"
     print(f"\n== profile_step: {s['shape']}\n   {s['device']}; {mode}; {s['precision']}; loop: pipeline.training.loop")
     print(
@@ -354,7 +355,7 @@ def save(s: dict[str, Any], window: Window, args: argparse.Namespace, shape: Sha
         print(f"trace: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_{shape.name}_{args.device}{'_compile' if args.compile else ''}.json"
+    name = f"profile_{shape.name}_{args.device}{'_compile' * args.compile}{'_graph' * args.cuda_graph}.json"
     (out / name).write_text(json.dumps(s, indent=1))
     print(f"summary: {out / name}")
 
@@ -364,6 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", default="135m", help="135m, tiny, tiny-default, small or smoke (gpu_common)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--compile", action="store_true", help="train.compile=true (compiled blocks)")
+    p.add_argument("--cuda-graph", action="store_true", help="train.cuda_graph=true (each step one CUDA graph)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--steps", type=int, default=5, help="timed steps, then as many profiled")
     p.add_argument("--warmup", type=int, default=3, help="steps first (at least 1: compilation, the first log)")
@@ -381,8 +383,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Profile, print, save; the summary."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --device cpu)")
     shape = pick_shapes(args.shape, None, None)[0]

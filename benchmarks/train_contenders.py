@@ -3,7 +3,8 @@ another (on a GPU they would not all fit comfortably together, and each one's pe
 own), with the same step as the CPU comparison: bf16 autocast forward + loss, backward, grad-norm clip
 1.0, fused AdamW (`make_optimizer`), zero_grad.
 
-Contenders: `ours` (`Llama.loss`), `ours-compile` (`compile_blocks`, i.e. train.compile=true), `hf`
+Contenders: `ours` (`Llama.loss`), `ours-compile` (`compile_blocks`, i.e. train.compile=true), `ours-graph`
+(forward, backward and clip replayed as one CUDA graph, i.e. train.cuda_graph=true; CUDA only), `hf`
 (transformers `LlamaForCausalLM`, sdpa attention, its own loss), `hf-compile` (`torch.compile` of that
 model), `hf-liger` (Liger kernels patched into transformers' llama before the model is built; skipped
 when `liger_kernel` is not installed).
@@ -35,10 +36,12 @@ from gpu_common import (  # this folder is on sys.path when run as a script
 from pipeline.config import OptimConfig
 from pipeline.models.base import init_weights
 from pipeline.models.llama import Llama
-from pipeline.training.optim import make_optimizer
-from pipeline.training.runtime import compile_blocks
+from pipeline.training.graphed import GraphedStep
+from pipeline.training.optim import gradient_norm, make_optimizer
+from pipeline.training.queued import nonfinite
+from pipeline.training.runtime import autocast, compile_blocks
 
-CONTENDERS = ("ours", "ours-compile", "hf", "hf-compile", "hf-liger")
+CONTENDERS = ("ours", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
 
 
 @dataclass
@@ -69,6 +72,30 @@ def step_fn(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor], device:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
+
+    return step
+
+
+def graphed_step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+    """`step_fn`'s step as train.cuda_graph=true runs it: forward, backward and the clip captured once as
+    the loop's `GraphedStep` (static x, y on the device), fused AdamW after each replay."""
+    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_backward(batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        ((xs, ys),) = batches
+        with autocast(device, "bf16", cache=False):
+            loss = model.loss(xs, ys)
+        loss.backward()
+        norm = gradient_norm(params, 1.0)
+        return loss.detach(), norm, nonfinite(loss, norm)
+
+    graph = GraphedStep(forward_backward, [(x, y)], params, device)
+
+    def step() -> float:
+        loss, _, opt.found_inf = graph([(x, y)])
+        opt.step()
+        return float(loss)
 
     return step
 
@@ -111,6 +138,8 @@ def build(name: str, shape: Shape, x: torch.Tensor, y: torch.Tensor, device: tor
         model.to(device).train()
         if name == "ours-compile":
             compile_blocks(model)
+        if name == "ours-graph":
+            return graphed_step_fn(model, x, y, device)
         labels = y.cpu()  # on the host, as the train loop keeps them (the model finds the counted rows there)
         return step_fn(model, lambda: model.loss(x, labels), device.type)
     model = hf_llama(shape).to(device).train()
@@ -155,6 +184,9 @@ def run_shape(shape: Shape, names: list[str], args: argparse.Namespace, device: 
     for name in names:
         if name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
             print(f"  {name:16s} skipped: liger_kernel not installed", flush=True)
+            continue
+        if name == "ours-graph" and device.type != "cuda":
+            print(f"  {name:16s} skipped: CUDA graphs need a GPU", flush=True)
             continue
         release(device, compiled=True)
         f = guarded(name, lambda name=name: measure(name, shape, args, device))

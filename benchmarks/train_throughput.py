@@ -28,7 +28,7 @@ one process).
 On a GPU (issue 19; one H100, bf16), every contender alone on the device, one after another, on named
 shapes (135m, tiny, tiny-default, small: see `gpu_common.named_shapes`), with MFU against
 `--peak-tflops` and peak CUDA memory per contender (`train_contenders.py`; `--contenders` picks from
-ours, ours-compile, hf, hf-compile, hf-liger: all by default):
+ours, ours-compile, ours-graph (CUDA only), hf, hf-compile, hf-liger: all by default):
 
     python benchmarks/train_throughput.py --device cuda --shapes 135m,tiny,tiny-default,small
 

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, problem
+from pipeline.models.devices import to_device
 from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
-from pipeline.models.varlen import PackedRows, to_device
+from pipeline.models.varlen import PackedRows
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
-from pipeline.models.varlen import PackedRows, to_device
+from pipeline.models.devices import to_device
+from pipeline.models.varlen import PackedRows
 
 
 class _RMSNorm(torch.autograd.Function):

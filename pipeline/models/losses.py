@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.models.varlen import to_device
+from pipeline.models.devices import to_device
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
@@ -186,7 +186,11 @@ def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     both on `h`'s device.
 
     `targets` may stay on the host while `h` is on a GPU (the training loop keeps them there): which
-    rows count is then worked out on the host, and nothing waits for the device's queued kernels."""
+    rows count is then worked out on the host, and nothing waits for the device's queued kernels.
+    Inside a CUDA graph capture (`pipeline.training.graphed`: token windows, where every target counts)
+    nothing can be read on the host: the rows are taken as they are."""
+    if targets.is_cuda and torch.cuda.is_current_stream_capturing():
+        return h, targets
     keep = targets != IGNORE_INDEX
     if bool(keep.all()):
         return h, to_device(targets, h.device)

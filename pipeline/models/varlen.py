@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipeline.models.devices import to_device
+
 # A bucket's (examples x length^2) at most this goes through plain matmuls (its attention matrices
 # kept for backward: ~4.7 MB a layer at 9 heads); larger ones through SDPA's fused kernel, which
 # keeps none (on CPU measured 3-4x slower for short examples, about equal at 512 tokens).
@@ -97,16 +99,6 @@ def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, 
         scatter = slot_of[example[tokens]] * length + positions[tokens]
         out.append(Bucket(gather, scatter, tokens))
     return out
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; a host tensor goes to CUDA from pinned memory, so the copy does not hold up the host
-    (torch's caching host allocator reuses the pinned blocks)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,14 @@ from tqdm.auto import tqdm
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher import TeacherCache
+from pipeline.models.devices import to_device
 from pipeline.models.losses import IGNORE_INDEX
-from pipeline.models.varlen import to_device
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
+from pipeline.training.graphed import GraphedStep, wants_graphs
 from pipeline.training.optim import clip_gradients, gradient_norm, lbfgs_step, lr_at, nonfinite_message, set_lr
-from pipeline.training.queued import QueuedSteps, defers, skip_if_nonfinite
+from pipeline.training.queued import QueuedSteps, defers, nonfinite
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
     HeapGuard,
@@ -168,6 +169,9 @@ class _Run:
         self.last_checkpoint = None if resume is None else str(resume.path)
         lbfgs = optim.name == "lbfgs"
         self.queue = None if lbfgs or not defers(self.device, self.session.opt, self.session.fsdp) else QueuedSteps()
+        one = not self.info.enabled
+        self.graphs = wants_graphs(tcfg, model, self.device, not self.rows, self.queue is not None, one)
+        self.graph: GraphedStep | None = None
         self.started = time.perf_counter()
 
     def log(self, row: dict[str, float], step: int) -> None:
@@ -203,16 +207,16 @@ class _Run:
         batches = [tuple(dist.shard_rows(t, self.info) for t in self.sampler()) for _ in range(self.tcfg.grad_accum)]
         if self.optim.name == "lbfgs":
             loss, grad_norm = lbfgs_step(opt, lambda: self._forward_backward(batches), params, self.optim.grad_clip)
-        elif self.queue is not None:  # nothing read here: see `queued`
-            loss, grad_norm = self._forward_backward(batches), gradient_norm(params, self.optim.grad_clip)
-            skip_if_nonfinite(opt, loss, grad_norm)
+        elif self.queue is not None:  # nothing read here: see `queued` (and `graphed`)
+            loss, grad_norm, opt.found_inf = self._graphed(batches) if self.graphs else self._queued_step(batches)
             opt.step()
         else:
             loss = float(self._forward_backward(batches))
             grad_norm = clip_gradients(params, self.optim.grad_clip)
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not self.graphs:  # a graph's backward writes the same gradient tensors every replay
+            opt.zero_grad(set_to_none=True)
         row = {"train_loss": loss, **self.session.loss_parts(self.queue is None), "lr": lr, "grad_norm": grad_norm}
         if self.rows:
             row["epoch"] = self.sampler.epoch
@@ -222,6 +226,19 @@ class _Run:
             row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
             self.settled(step, row)
         return row, self.rows and int(self.sampler.epoch) > epoch_before
+
+    def _queued_step(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """Forward and backward, the clipped gradients' norm and the non-finite flag fused AdamW skips on:
+        all left on the device."""
+        loss = self._forward_backward(batches)
+        grad_norm = gradient_norm(self.session.params, self.optim.grad_clip)
+        return loss, grad_norm, nonfinite(loss, grad_norm)
+
+    def _graphed(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """`_queued_step` replayed as a CUDA graph, captured at the first step (`graphed`)."""
+        if self.graph is None:
+            self.graph = GraphedStep(self._queued_step, batches, self.session.params, self.device)
+        return self.graph(batches)
 
     def settled(self, step: int, row: dict[str, Any]) -> None:
         """A step whose figures are read: a non-finite one fails the run (or, with train.skip_nonfinite,
@@ -249,8 +266,9 @@ class _Run:
     def _forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         self.session.forward.parts.clear()  # an L-BFGS step may evaluate several times: keep the last
         total = torch.zeros((), device=self.device)
+        cast = self.tcfg.precision
         for i, batch in enumerate(batches):
-            with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, self.tcfg.precision):
+            with self.session.grad_sync(i == len(batches) - 1), autocast(self.device, cast, not self.graphs):
                 loss = self.session.module(*self._placed(batch))
             loss = loss * self._rank_share(batch)
             (loss / len(batches)).backward()

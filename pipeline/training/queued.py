@@ -24,10 +24,10 @@ def defers(device: torch.device, opt: torch.optim.Optimizer, fsdp: bool) -> bool
     return device.type in DEFER_ON and bool(opt.defaults.get("fused")) and not fsdp
 
 
-def skip_if_nonfinite(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-    """The next `opt.step()` leaves weights and optimizer state alone if `loss` or `grad_norm` is not
-    finite, decided on the device (no wait)."""
-    opt.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+def nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 if `loss` or `grad_norm` is not finite, else 0.0, on the device (no wait): set as a fused
+    optimizer's `found_inf`, its next `step()` leaves weights and optimizer state alone on 1."""
+    return (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
 
 
 class QueuedSteps:

@@ -117,10 +117,12 @@ class HeapGuard:
             trim_freed_memory()
 
 
-def autocast(device: torch.device, precision: str) -> AbstractContextManager:
-    """bf16 autocast for matmuls (AMX/AVX512-BF16 on CPU, tensor cores on CUDA), or nothing for fp32."""
+def autocast(device: torch.device, precision: str, cache: bool = True) -> AbstractContextManager:
+    """bf16 autocast for matmuls (AMX/AVX512-BF16 on CPU, tensor cores on CUDA), or nothing for fp32.
+    `cache=False` recasts a weight at every use (what a CUDA graph capture needs: the cache's copies
+    would live in the graph's memory pool and be freed at the context's exit); the values are the same."""
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 

@@ -1,0 +1,20 @@
+"""Moving a host tensor to the GPU without making the host wait.
+
+A blocking host-to-device copy waits for every kernel already queued on the stream; from pinned memory,
+without blocking, the copy is queued like a kernel and the host goes on (torch's caching host allocator
+reuses the pinned blocks). The training loop and the losses move batches, labels' indexes and small
+tables this way, so a CUDA step never waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` (itself when it is there already); a host tensor goes to CUDA from pinned memory."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
