@@ -49,13 +49,21 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-def rope_tables(cfg: TransformerConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (seq_len, head_dim/2), in fp32."""
+def inverse_frequencies(cfg: TransformerConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's (head_dim/2,) fp32 angular frequencies: base^(-2i/d), divided by llama.cpp's freq_factors if any."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
     if cfg.rope_freq_factors:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
         factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
-        inv_freq = inv_freq / to_device(factors, device)  # a blocking copy would wait for the GPU's queue
+        inv_freq = inv_freq / to_device(factors, device)
+    return inv_freq
+
+
+def rope_tables(
+    cfg: TransformerConfig, seq_len: int, device: torch.device, inv_freq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim/2), in fp32 (`inv_freq`: `inverse_frequencies`, when kept)."""
+    inv_freq = inverse_frequencies(cfg, device) if inv_freq is None else inv_freq
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv_freq)
     return angles.cos(), angles.sin()
@@ -166,11 +174,19 @@ class Llama(DecoderLM):
             for _ in range(cfg.n_layer)
         )
         self._output(cfg, RMSNorm(cfg.d_model, cfg.norm_eps))
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # not a buffer: no state_dict entry
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        """`inverse_frequencies` on `device`, made once: a step captured as a CUDA graph must not copy
+        host data (the freq factors) inside the capture."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = inverse_frequencies(self.cfg, device)
+        return self._inv_freq[device]
 
     def embed(self, idx: torch.Tensor, start: int, rows: PackedRows | None) -> tuple[torch.Tensor, Rope]:
         """Token vectors and the RoPE tables of positions start.. (or of `rows.positions`, one per token)."""
         if rows is None:
-            cos, sin = rope_tables(self.cfg, start + idx.shape[1], idx.device)
+            cos, sin = rope_tables(self.cfg, start + idx.shape[1], idx.device, self._frequencies(idx.device))
             return self.tokens(idx), (cos[start:], sin[start:])
-        cos, sin = rope_tables(self.cfg, rows.longest, idx.device)
+        cos, sin = rope_tables(self.cfg, rows.longest, idx.device, self._frequencies(idx.device))
         return self.tokens(idx), (cos[rows.positions], sin[rows.positions])
