@@ -20,6 +20,7 @@ collect, per token:
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -29,10 +30,12 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from pipeline.config import SubcloneConfig
+from pipeline.config import ModelConfig, SubcloneConfig
+from pipeline.config.checks import check
 from pipeline.data.packed import load_meta, load_split
 from pipeline.errors import GGUFError, problem
 from pipeline.files import atomic_dir
+from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 
@@ -185,8 +188,9 @@ def _reduce(stats: _Stats, outlier_factor: float) -> Calibration:
     )
 
 
-def check_donor(donor: Llama, path: Path, packed_vocab: int, packed_meta: Path, d_model: int) -> None:
-    """The donor's rows must be the packed token ids, and the student no wider than the donor."""
+def check_donor(donor: Llama, path: Path, packed_vocab: int, packed_meta: Path, student: TransformerConfig) -> None:
+    """The donor's rows must be the packed token ids, and the student fit inside the donor (every key
+    at once, here: realize would otherwise find a mismatch only after calibration and the teach cache)."""
     cfg = donor.cfg
     if cfg.vocab_size != packed_vocab:
         raise GGUFError(
@@ -197,24 +201,69 @@ def check_donor(donor: Llama, path: Path, packed_vocab: int, packed_meta: Path, 
                 "pack the corpus with this donor's tokenizer (dvc repro pack) or use the matching donor",
             )
         )
-    if d_model > cfg.d_model:
-        raise GGUFError(
-            problem(
-                "config key model.d_model",
-                f"at most the donor width {cfg.d_model} ({path}) for recipe.init=subclone",
-                str(d_model),
-                f"set model.d_model<={cfg.d_model} (or use model=subclone)",
-            )
+    check_student(student, cfg)
+
+
+def check_student(cfg: TransformerConfig, donor: TransformerConfig) -> None:
+    """The student must fit inside the donor: a named error for the first key that does not."""
+    check(
+        cfg.vocab_size == donor.vocab_size,
+        "donor.path",
+        f"a donor with the packed data's {cfg.vocab_size} tokens",
+        donor.vocab_size,
+        "pack the corpus with this donor's tokenizer (dvc repro pack)",
+    )
+    check(cfg.arch == "llama", "model.arch", "llama for recipe.init=subclone", cfg.arch, "set model.arch=llama")
+    for key in ("d_model", "n_layer", "d_ff"):
+        found, limit = getattr(cfg, key), getattr(donor, key)
+        check(found <= limit, f"model.{key}", f"at most the donor's {limit}", found, f"set model.{key}<={limit}")
+    hd = donor.head_dim
+    check(
+        cfg.head_dim == hd,
+        "model.n_head",
+        f"model.d_model/model.n_head = the donor's head size {hd}",
+        f"{cfg.d_model}/{cfg.n_head} = {cfg.head_dim}",
+        f"set model.n_head={cfg.d_model // hd}" if cfg.d_model % hd == 0 else f"use a model.d_model divisible by {hd}",
+    )
+    _check_groups(cfg, donor)
+    for key in ("rope_theta", "norm_eps"):
+        found, want = getattr(cfg, key), getattr(donor, key)
+        check(
+            math.isclose(found, want, rel_tol=1e-5),
+            f"model.{key}",
+            f"the donor's {want:g}",
+            found,
+            f"set model.{key}={want:g}",
         )
 
 
+def _check_groups(cfg: TransformerConfig, donor: TransformerConfig) -> None:
+    """Each student kv group must be query heads of one donor kv group (see `select_heads`)."""
+    r, s = donor.n_head // donor.n_kv_head, cfg.n_head // cfg.n_kv_head
+    groups = donor.n_kv_head * (r // s)
+    expected = f"n_head/n_kv_head at most the donor's group size {r}"
+    if s <= r:
+        expected += f", and n_kv_head at most the {groups} groups of {s} query heads it offers"
+    check(
+        s <= r and cfg.n_kv_head <= groups,
+        "model.n_kv_head",
+        expected,
+        f"{cfg.n_kv_head} (groups of {s})",
+        f"set model.n_kv_head to a divisor of model.n_head={cfg.n_head} of at least {-(-cfg.n_head // r)}",
+    )
+
+
 def run_calibration(
-    donor_path: Path, packed_dir: Path, d_model: int, settings: SubcloneConfig, out_dir: Path
+    donor_path: Path, packed_dir: Path, mcfg: ModelConfig, settings: SubcloneConfig, out_dir: Path
 ) -> tuple[Calibration, dict[str, float]]:
-    """The donor stage for `recipe.init=subclone`: load, check, calibrate on the train split, save
-    `calibration.safetensors` + `meta.json` atomically. Returns the calibration and the metrics."""
+    """The donor stage for `recipe.init=subclone`: load, check the student of shape `mcfg` fits, calibrate
+    on the train split, save `calibration.safetensors` + `meta.json` atomically. Returns the calibration
+    and the metrics."""
     donor, gguf = load_llama(Path(donor_path))
-    check_donor(donor, Path(donor_path), load_meta(packed_dir).vocab_size, Path(packed_dir) / "meta.json", d_model)
+    vocab = load_meta(packed_dir).vocab_size
+    student = TransformerConfig.from_hparams(mcfg, vocab)
+    check_donor(donor, Path(donor_path), vocab, Path(packed_dir) / "meta.json", student)
+    d_model = student.d_model
     ids = windows(load_split(packed_dir, "train"), settings.calib_tokens, settings.calib_seq_len)
     start = time.perf_counter()
     calib = calibrate(donor, ids, settings.outlier_factor)

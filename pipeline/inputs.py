@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import source_files
-from pipeline.errors import DataError, problem
+from pipeline.errors import DataError, GGUFError, problem
 from pipeline.files import atomic_dir, sha256_file, write_json
 
 CORPUS_RECORD = "corpus.json"
@@ -40,9 +40,35 @@ def donor_record(value: str, resolved: Path) -> dict[str, Any]:
     return {"path": value, "file": describe_file(resolved, resolved.name)}
 
 
-def run_inputs(data: DataConfig, donor_value: str, donor_file: Path, out_dir: Path) -> dict[str, Any]:
-    """Write both records into `out_dir` (atomically, as one directory) and return them."""
-    records = {CORPUS_RECORD: corpus_record(data), DONOR_RECORD: donor_record(donor_value, donor_file)}
+def check_donor_file(value: str, resolved: Path, outputs: list[Path]) -> None:
+    """The donor is a file, and not inside a stage's output folder (`outputs`): DVC deletes those before
+    re-running their stage, so an exported GGUF used as the donor would vanish mid-pipeline."""
+    where = f"donor.path={value}"
+    if not resolved.exists():
+        raise GGUFError(problem(where, "an existing GGUF file", f"no such file ({resolved})", "check the path"))
+    if not resolved.is_file():
+        raise GGUFError(problem(where, "a GGUF file", f"a directory or special file ({resolved})", "check the path"))
+    for out in outputs:
+        if resolved.is_relative_to(out.resolve()):
+            raise GGUFError(
+                problem(
+                    where,
+                    "a GGUF outside the stages' output folders (DVC deletes them before re-running a stage)",
+                    f"a file in {out.name}/ ({resolved})",
+                    f"copy it out first, e.g. mkdir -p donors && cp {resolved} donors/ and set donor.path=donors/"
+                    f"{resolved.name}",
+                )
+            )
+
+
+def run_inputs(
+    data: DataConfig, donor_value: str, donor_file: Path, out_dir: Path, outputs: list[Path] = ()
+) -> dict[str, Any]:
+    """Write both records into `out_dir` (atomically, as one directory) and return them; `outputs`: the
+    stages' output folders, where the donor must not be."""
+    corpus = corpus_record(data)
+    check_donor_file(donor_value, donor_file, list(outputs))
+    records = {CORPUS_RECORD: corpus, DONOR_RECORD: donor_record(donor_value, donor_file)}
     with atomic_dir(out_dir) as tmp:
         for name, record in records.items():
             write_json(tmp / name, record)

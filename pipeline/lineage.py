@@ -24,10 +24,7 @@ from pipeline.files import sha256_file
 from pipeline.inputs import read_record
 from pipeline.modeldir import REALIZE_FILE, read_realize
 
-FIX = (
-    "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), or run this stage on the "
-    "workspace's own config: `--config-dir . --config-name params`"
-)
+FIX = "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), or set {key}={recorded} to use them"
 
 
 def mismatch(key: str, recorded: Any, configured: Any, record: Path) -> ConfigError:
@@ -36,7 +33,7 @@ def mismatch(key: str, recorded: Any, configured: Any, record: Path) -> ConfigEr
             f"config key {key}",
             f"{recorded!r}, what {record} was made with",
             repr(configured),
-            FIX.format(key=key, value=configured),
+            FIX.format(key=key, value=configured, recorded=recorded),
         )
     )
 

@@ -86,7 +86,9 @@ def check_teach(tcfg: TrainConfig, meta: PackMeta, context_length: int) -> None:
         limits.append(("train.distill.context", d.context, context_length, "the donor's context_length"))
     for key, value, limit, what in limits:
         if value > limit:
-            raise ConfigError(problem(f"config key {key}", f"at most {what}={limit}", str(value), "lower it"))
+            fix = f"set {key}<={limit}"
+            raise ConfigError(problem(f"config key {key}", f"at most {what}={limit}", str(value), fix))
+    tcfg.check_distill_context()
 
 
 @torch.no_grad()

@@ -25,16 +25,14 @@ Minitron (2407.14679):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.calibrate import Calibration
+from pipeline.calibrate import Calibration, check_student
 from pipeline.config import LAYER_RULES
-from pipeline.config.checks import check
 from pipeline.errors import ConfigError, problem
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
@@ -224,55 +222,6 @@ def fit_gain(model: Llama, ids: torch.Tensor, iters: int) -> tuple[float, float]
         with torch.no_grad():
             norm.copy_(gain.detach())
     return before, min(before, after)
-
-
-def check_student(cfg: TransformerConfig, donor: TransformerConfig) -> None:
-    """The student must fit inside the donor: a named error for the first key that does not."""
-    check(
-        cfg.vocab_size == donor.vocab_size,
-        "donor.path",
-        f"a donor with the packed data's {cfg.vocab_size} tokens",
-        donor.vocab_size,
-        "pack the corpus with this donor's tokenizer (dvc repro pack)",
-    )
-    check(cfg.arch == "llama", "model.arch", "llama for recipe.init=subclone", cfg.arch, "set model.arch=llama")
-    for key in ("d_model", "n_layer", "d_ff"):
-        found, limit = getattr(cfg, key), getattr(donor, key)
-        check(found <= limit, f"model.{key}", f"at most the donor's {limit}", found, f"set model.{key}<={limit}")
-    hd = donor.head_dim
-    check(
-        cfg.head_dim == hd,
-        "model.n_head",
-        f"model.d_model/model.n_head = the donor's head size {hd}",
-        f"{cfg.d_model}/{cfg.n_head} = {cfg.head_dim}",
-        f"set model.n_head={cfg.d_model // hd}" if cfg.d_model % hd == 0 else f"use a model.d_model divisible by {hd}",
-    )
-    _check_groups(cfg, donor)
-    for key in ("rope_theta", "norm_eps"):
-        found, want = getattr(cfg, key), getattr(donor, key)
-        check(
-            math.isclose(found, want, rel_tol=1e-5),
-            f"model.{key}",
-            f"the donor's {want:g}",
-            found,
-            f"set model.{key}={want:g} (or use model=subclone)",
-        )
-
-
-def _check_groups(cfg: TransformerConfig, donor: TransformerConfig) -> None:
-    """Each student kv group must be query heads of one donor kv group (see `select_heads`)."""
-    r, s = donor.n_head // donor.n_kv_head, cfg.n_head // cfg.n_kv_head
-    groups = donor.n_kv_head * (r // s)
-    expected = f"n_head/n_kv_head at most the donor's group size {r}"
-    if s <= r:
-        expected += f", and n_kv_head at most the {groups} groups of {s} query heads it offers"
-    check(
-        s <= r and cfg.n_kv_head <= groups,
-        "model.n_kv_head",
-        expected,
-        f"{cfg.n_kv_head} (groups of {s})",
-        f"set model.n_kv_head to a divisor of model.n_head={cfg.n_head} of at least {-(-cfg.n_head // r)}",
-    )
 
 
 def transfer_report(donor: Llama, student: Llama, calib: Calibration, sel: Selection) -> dict[str, float]:

@@ -95,6 +95,11 @@ class Paths:
     def report(self) -> Path:
         return self.root / "reports"
 
+    def outputs(self) -> list[Path]:
+        """Every stage's output folder: DVC deletes each before its stage re-runs."""
+        names = ("inputs", "packed", "donor", "teach", "init", "train", "export", "evaluate", "report")
+        return [getattr(self, name) for name in names]
+
     def stage_out(self, stage: str) -> Path:
         return {"pack": self.packed, "realize": self.init}.get(stage) or getattr(self, stage)
 
@@ -181,6 +186,12 @@ def hydra_message(e: HydraException) -> str:
             f"config key {name}: expected a key of the config, found none of that name; fix: check its spelling "
             "(`python -m stages.compose` prints every key)"
         )
+    if "No match in the defaults list" in found:  # a group choice on a config without groups (params.yaml)
+        return (
+            f"config group {name}: expected a config with a defaults list (conf/config.yaml), found one without "
+            f"(a composed file such as params.yaml); fix: drop --config-dir/--config-name to pick {name}=..., "
+            f"or set its keys one by one ({name}.key=value)"
+        )
     where = f"config override '{e.override}'" if isinstance(e, OverrideParseException) else "config override"
     detail = f"{found} ({cause})" if cause else found
     return f"{where}: {detail}; fix: quote values with spaces, commas or brackets"
@@ -214,8 +225,10 @@ def structured_config(schema: type[T], cfg: DictConfig, source: str = "params.ya
         msg = str(e.msg if hasattr(e, "msg") and e.msg else e).splitlines()[0]
         key = getattr(e, "full_key", None) or "?"
         where = "conf/ or params.yaml" if source == "params.yaml" else source
-        error = UnknownKeyError if isinstance(e, ConfigKeyError) and key != "?" else ConfigError
-        raise error(f"config key {key}: {msg}; fix: correct {key} in {where}", key) from None
+        message = f"config key {key}: {msg}; fix: correct {key} in {where}"
+        if isinstance(e, ConfigKeyError) and key != "?":
+            raise UnknownKeyError(message, key) from None
+        raise ConfigError(message) from None
 
 
 def config_hash(resolved: dict[str, Any]) -> str:

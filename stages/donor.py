@@ -26,7 +26,7 @@ def body(ctx: StageContext) -> dict[str, float]:
     ctx.add_input("donor", ctx.donor)
     recipe, d_model = ctx.cfg.recipe, ctx.cfg.model.d_model
     if recipe.init == "subclone":
-        calib, metrics = run_calibration(ctx.donor, ctx.paths.packed, d_model, recipe.subclone, ctx.out_dir)
+        calib, metrics = run_calibration(ctx.donor, ctx.paths.packed, ctx.cfg.model, recipe.subclone, ctx.out_dir)
         write_plot(ctx, calib.variance / calib.variance.sum())
         log.info(
             f"donor: calibrated on {int(metrics['calibration_tokens'])} tokens "

@@ -27,15 +27,16 @@ def main(cfg: DictConfig) -> None:
         config_failed(e)
     try:
         output.configure(typed.output)
-        out_dir = Paths.here().inputs
-        records = run_inputs(typed.data, typed.donor.path, resolve_gguf_path(typed.donor.path), out_dir)
+        paths = Paths.here()
+        donor_file = resolve_gguf_path(typed.donor.path)
+        records = run_inputs(typed.data, typed.donor.path, donor_file, paths.inputs, paths.outputs())
     except PipelineError as e:
         fail(str(e))
     corpus, donor = records["corpus.json"], records["donor.json"]
     size = sum(f["bytes"] for f in corpus["files"]) / 1e6
     log.info(
         f"inputs: corpus {len(corpus['files'])} file(s), {size:.1f} MB; donor {donor['file']['name']} "
-        f"sha256 {donor['file']['sha256'][:12]} -> {out_dir}"
+        f"sha256 {donor['file']['sha256'][:12]} -> {paths.inputs}"
     )
 
 

@@ -46,6 +46,7 @@ def test_conf_spells_out_every_schema_key() -> None:
         (["train.precision=fp8"], "train.precision"),
         (["recipe.init=magic"], "recipe.init"),
         (["model.d_model=abc"], "model.d_model"),
+        (["train.steps=1.5"], "train.steps"),
         (["train.grad_accum=0"], "train.grad_accum"),
         (["export.dtype=q3"], "export.dtype"),
         (["train.seq_len=1024"], "train.seq_len"),
@@ -57,7 +58,7 @@ def test_bad_values_are_rejected_naming_the_key(overrides: list[str], key: str) 
     with pytest.raises(ConfigError) as err:
         typed_config(compose_config(overrides))
     message = str(err.value)
-    assert key in message and "\n" not in message
+    assert message.startswith((key, f"config key {key}")) and "\n" not in message  # one line, the key first
 
 
 def test_recipes_select_the_init() -> None:
@@ -117,3 +118,17 @@ def test_multiruns_started_in_the_same_second_get_sweep_dirs_of_their_own() -> N
     job = OmegaConf.create(OmegaConf.to_container(first, resolve=False))
     OmegaConf.copy_cache(from_config=first, to_config=job)
     assert first.hydra.sweep.dir == a and job.hydra.sweep.dir == a
+
+
+def test_a_group_choice_on_the_composed_params_is_one_line_naming_the_group() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.pack", "--config-dir", ".", "--config-name", "params", "data=dir"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: config group data: expected a config with a defaults list")
+    assert "quote values" not in lines[0]

@@ -101,3 +101,19 @@ def test_lineage_names_the_key_both_values_and_the_fix(tmp_path: Path) -> None:
         check_init(wider, tmp_path)
     with pytest.raises(PipelineError, match="config key data.val_fraction: expected 0.1"):
         check_packed(replace(cfg, data=replace(cfg.data, val_fraction=0.2)), tmp_path)
+
+
+def test_a_donor_that_is_a_directory_or_inside_a_stage_output_is_refused(tmp_path: Path) -> None:
+    """A directory is named as such (not an IsADirectoryError traceback); an exported GGUF used as the
+    donor where it was written would be deleted by DVC before export re-runs: refused, with the copy."""
+    data = DataConfig(source="pydoc")
+    with pytest.raises(PipelineError, match=r"^donor.path=d: expected a GGUF file, found a directory"):
+        run_inputs(data, "d", tmp_path, tmp_path / "out")
+    export = tmp_path / "models" / "export"
+    export.mkdir(parents=True)
+    (export / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(PipelineError) as err:
+        run_inputs(data, "models/export/model.gguf", export / "model.gguf", tmp_path / "out", [export])
+    assert "found a file in export/" in str(err.value) and "cp " in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+    run_inputs(data, "model.gguf", export / "model.gguf", tmp_path / "out", [tmp_path / "models" / "init"])

@@ -98,8 +98,13 @@ def test_malformed_jsonl_names_the_line(tmp_path: Path, content: str, needles: l
 
 
 def test_missing_and_tiny_corpora(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="nothing there"):
+    with pytest.raises(DataError, match="found nothing at .*missing.txt; fix: check data.path .*git"):
         load_documents(DataConfig(source="text", path=str(tmp_path / "missing.txt")))
+    with pytest.raises(DataError, match="expected an existing file, found a directory; fix: use data=dir"):
+        load_documents(DataConfig(source="text", path=str(tmp_path)))
+    (tmp_path / "c.txt").write_text("a\n---\nb\n")
+    with pytest.raises(DataError, match="expected an existing directory, found a file; fix: use data=text"):
+        load_documents(DataConfig(source="dir", path=str(tmp_path / "c.txt")))
     (tmp_path / "one.txt").write_text("only one document")
     with pytest.raises(DataError, match="at least 2"):
         load_documents(DataConfig(source="text", path=str(tmp_path / "one.txt")))

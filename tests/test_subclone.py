@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.calibrate import CALIBRATION_FILE, Calibration, calibrate, run_calibration, windows
+from pipeline.calibrate import CALIBRATION_FILE, Calibration, calibrate, check_student, run_calibration, windows
 from pipeline.config import ModelConfig, RecipeConfig, SubcloneConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
-from pipeline.errors import ConfigError, GGUFError, PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.modeldir import load_model_dir, read_realize
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.realize import run_realize
-from pipeline.transfer import check_student, fit_gain, select_heads, select_layers, subclone
+from pipeline.transfer import fit_gain, select_heads, select_layers, subclone
 from tests.conftest import write_tiny_llama_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,11 +132,11 @@ def test_donor_and_realize_stages_end_to_end(tmp_path: Path, donor) -> None:
     model, _, path = donor
     packed = packed_dir(tmp_path / "packed")
     settings = SubcloneConfig(calib_tokens=512, calib_seq_len=64, head_fit_tokens=256, head_fit_iters=5)
-    calib, metrics = run_calibration(path, packed, 16, settings, tmp_path / "donor")
+    mcfg = ModelConfig(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5, tie_embeddings=True)
+    calib, metrics = run_calibration(path, packed, mcfg, settings, tmp_path / "donor")
     assert (tmp_path / "donor" / CALIBRATION_FILE).is_file() and metrics["calibration_tokens"] == 512
     assert json.loads((tmp_path / "donor" / "meta.json").read_text())["layers"] == 4
     assert 0 < metrics["explained_variance_total"] < 1
-    mcfg = ModelConfig(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5, tie_embeddings=True)
     recipe = RecipeConfig(name="subclone", init="subclone", subclone=settings)
     out = run_realize(recipe, mcfg, 0, path, packed, tmp_path / "donor", tmp_path / "init", seq_len=32)
     assert np.isfinite(out["step0_val_loss"]) and 0 < out["parameter_fraction"] < 1
@@ -156,7 +156,7 @@ def test_donor_and_realize_stages_end_to_end(tmp_path: Path, donor) -> None:
         (dict(d_ff=64), ("model.d_ff", "48", "64")),
         (dict(d_model=24, n_head=2, n_kv_head=1), ("model.n_head", "head size 8", "24/2 = 12", "n_head=3")),
         (dict(n_kv_head=1), ("model.n_kv_head", "group size 2", "groups of 4")),
-        (dict(rope_theta=10000.0), ("model.rope_theta", "100000", "10000.0", "model=subclone")),
+        (dict(rope_theta=10000.0), ("model.rope_theta", "100000", "10000.0", "set model.rope_theta=100000")),
         (dict(norm_eps=1e-6), ("model.norm_eps", "1e-05")),
         (dict(vocab_size=65), ("donor.path", "65 tokens")),
     ],
@@ -171,11 +171,23 @@ def test_students_that_do_not_fit_fail_on_one_line(donor, change: dict, needles:
         assert needle in msg, msg
 
 
-def test_a_wider_student_fails_in_the_donor_stage_leaving_nothing(tmp_path: Path, donor) -> None:
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (dict(d_model=40, n_head=5), r"model.d_model: expected at most the donor's 32, found 40"),
+        (dict(rope_theta=1e4), r"model.rope_theta: expected the donor's 100000, found 10000"),
+    ],
+)
+def test_a_student_that_does_not_fit_fails_in_the_donor_stage_leaving_nothing(
+    tmp_path: Path, donor, change: dict, needle: str
+) -> None:
+    """Every key of the student is checked before calibrating, not only its width: a wrong rope_theta
+    used to surface in realize, after calibration and the teach cache."""
     _, _, path = donor
     packed = packed_dir(tmp_path / "packed")
-    with pytest.raises(GGUFError, match=r"model.d_model: expected at most the donor width 32 .* found 40"):
-        run_calibration(path, packed, 40, SubcloneConfig(calib_tokens=64, calib_seq_len=32), tmp_path / "d")
+    shape = dict(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5) | change
+    with pytest.raises(ConfigError, match=needle):
+        run_calibration(path, packed, ModelConfig(**shape), SubcloneConfig(calib_tokens=256), tmp_path / "d")
     assert not (tmp_path / "d").exists()
 
 

@@ -102,6 +102,7 @@ class PipelineConfig:
             length,
             f"lower {length_key} or raise model.context_length",
         )
+        self.train.check_distill_context()
 
     def _check_images(self) -> None:
         """The ViT recipe: image data, a from-scratch model, patches that tile the image."""

@@ -113,8 +113,13 @@ class TrainConfig:
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
         choice(self.parallel, "train.parallel", PARALLEL)
+
+    def check_distill_context(self) -> None:
+        """Cached distillation's windows advance by context - seq_len, so the context must exceed seq_len.
+        Not in __post_init__: the composed config first bounds seq_len by model.context_length (the real
+        limit when seq_len is too large), then calls this; the teach stage and the loop call it too."""
         d = self.distill
-        if d.enabled and d.mode == "cached":  # overlapping windows advance by context - seq_len
+        if d.enabled and d.mode == "cached":
             check(
                 d.context > self.seq_len,
                 "train.distill.context",

@@ -100,11 +100,22 @@ def _pydoc(cfg: DataConfig) -> Iterator[Document]:
 
 
 def _existing(path: str, kind: str) -> Path:
+    """`data.path` as a file or directory (`kind`); the error says what is there instead, and the fix."""
     p = Path(path).expanduser()
-    ok = p.is_file() if kind == "file" else p.is_dir()
-    if not ok:
-        raise DataError(problem(f"data.path={path}", f"an existing {kind}", "nothing there", "check data.path"))
-    return p
+    if p.is_file() if kind == "file" else p.is_dir():
+        return p
+    raise DataError(problem(f"data.path={path}", f"an existing {kind}", *_instead(p, kind)))
+
+
+def _instead(p: Path, kind: str) -> tuple[str, str]:
+    """(what is at `p`, the fix) when it is not the `kind` (file or directory) a source reads."""
+    if p.is_dir():
+        return "a directory", "use data=dir for a folder of documents, or point data.path at one file"
+    if p.exists():
+        return "a file", "use data=text (or jsonl/parquet) for one file, or point data.path at a folder"
+    where = p.resolve()
+    hint = "queued and --temp experiments see only files in git or dvc add-ed"
+    return f"nothing at {where}", f"check data.path (relative to the project root; {hint})"
 
 
 def _text_file(cfg: DataConfig) -> Iterator[Document]:

@@ -54,7 +54,9 @@ def _resize_grey(img: np.ndarray, size: int) -> np.ndarray:
 def class_folders(root: Path) -> list[Path]:
     """The class sub-folders of an image directory, sorted by name (the class id is the position)."""
     if not root.is_dir():
-        raise DataError(problem(f"data.path={root}", "an existing directory", "nothing there", "check data.path"))
+        found = "a file" if root.is_file() else f"nothing at {root.resolve()}"
+        fix = "point data.path at a folder with one sub-folder of images per class"
+        raise DataError(problem(f"data.path={root}", "an existing directory", found, fix))
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise DataError(

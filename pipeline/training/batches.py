@@ -279,6 +279,7 @@ def check_distill(train_data: Any, tcfg: TrainConfig, teacher: object) -> None:
         if not isinstance(teacher, nn.Module):
             raise ConfigError(problem("online distillation", "the donor model", type(teacher).__name__, "pass it"))
         return
+    tcfg.check_distill_context()
     if not isinstance(teacher, TeacherCache):
         raise ConfigError(problem("cached distillation", "the teach stage's cache", type(teacher).__name__, "pass it"))
     if teacher.meta.positions != len(train_data):
