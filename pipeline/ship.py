@@ -131,7 +131,10 @@ def file_name(meta: Metadata, dtype: str) -> str:
 def data_label(source: str, path: str) -> str:
     """The data's short name in file names: the file or folder's stem, or the built-in set's (pydoc)."""
     if path:
-        return Path(path.rstrip("/")).stem.replace("_", "-").replace(" ", "-") or source
+        name = Path(path.rstrip("/")).name
+        for suffix in (".gz", ".zst"):  # c.jsonl.gz -> c: the compression, then (stem) the format
+            name = name.removesuffix(suffix)
+        return Path(name).stem.replace("_", "-").replace(" ", "-") or source
     return "pydoc" if source in ("pydoc", "instruct") else source
 
 

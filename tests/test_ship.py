@@ -26,7 +26,7 @@ from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 from pipeline.parity import compare, llamacpp_logprobs, llamacpp_parity
-from pipeline.ship import ShipInfo, donor_identity
+from pipeline.ship import ShipInfo, data_label, donor_identity
 from tests.conftest import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,3 +201,9 @@ def test_parity_on_a_file_llamacpp_cannot_load_is_one_line(tmp_path: Path, model
         llamacpp_parity(gguf, model, np.arange(100, dtype=np.uint16), 32, 1, 0.03)
     message = str(err.value)
     assert "expected a GGUF llama.cpp loads" in message and "llamacpp_windows=0" in message and "\n" not in message
+
+
+def test_the_data_label_drops_a_compression_suffix_then_the_format() -> None:
+    assert data_label("jsonl", "corpora/c.jsonl.gz") == "c" and data_label("text", "a.txt.zst") == "a"
+    assert data_label("text", "my_notes.v2.txt") == "my-notes.v2" and data_label("dir", "docs/") == "docs"
+    assert data_label("pydoc", "") == "pydoc"
