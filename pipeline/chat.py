@@ -55,6 +55,22 @@ def truncate_cache(cache: KVCache, length: int) -> None:
             cache.k[i], cache.v[i] = k[:, :, :length], v[:, :, :length]
 
 
+def cap_answer(max_new_tokens: int, context_length: int) -> tuple[int, str]:
+    """`max_new_tokens` capped at half the context, and a line saying so when it was.
+
+    An answer longer than that would leave too little room for a prompt (on a 256-token model the
+    default 256 leaves none, and every message would be refused); half is also what generate's
+    sliding window keeps when the context fills.
+    """
+    half = max(1, context_length // 2)
+    if max_new_tokens <= half:
+        return max_new_tokens, ""
+    return half, (
+        f"chat: max_new_tokens={max_new_tokens} leaves too little of the model's context_length={context_length} "
+        f"for a prompt; answers are capped at {half} tokens (half the context)"
+    )
+
+
 @dataclass
 class ChatSession:
     """A conversation with `model`; `system` (optional) opens every conversation, `/reset` included."""
@@ -68,8 +84,10 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
     cache: KVCache | None = None
+    note: str = field(default="", init=False)  # why max_new_tokens was capped, for the REPL to show
 
     def __post_init__(self) -> None:
+        self.max_new_tokens, self.note = cap_answer(self.max_new_tokens, self.model.cfg.context_length)
         self.reset()
         self.stop_ids = default_stop_ids(self.tok, chat=True)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
@@ -79,20 +97,27 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.fed, self.cache = [], new_cache(self.model)
 
-    def prompt_ids(self) -> list[int]:
-        text = render_messages(self.tok, self.template, self.messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The rendered conversation's ids (`messages`, or the session's own), ending with the assistant's cue."""
+        chosen = self.messages if messages is None else messages
+        text = render_messages(self.tok, self.template, chosen, add_generation_prompt=True)
         ids = self.tok.encode(text)
         if self.tok.add_bos and self.tok.bos_id is not None and ids[:1] != [self.tok.bos_id]:
             ids = [self.tok.bos_id, *ids]
         return ids
 
-    def _fit(self, ids: list[int]) -> list[int]:
-        """Drop the oldest exchanges (not the system turn) until the prompt and an answer fit the context."""
+    def _fit(self, messages: list[dict[str, str]]) -> list[int]:
+        """Drop the oldest exchanges (not the system turn) until the prompt and an answer fit the context.
+
+        The session's conversation becomes `messages` only once they fit: a refused message leaves it
+        as it was, so the REPL can go on with the next one.
+        """
         ctx = self.model.cfg.context_length
         first = 1 if self.system else 0
-        while len(ids) + self.max_new_tokens > ctx and len(self.messages) > first + 1:
-            del self.messages[first : first + 2]
-            ids = self.prompt_ids()
+        ids = self.prompt_ids(messages)
+        while len(ids) + self.max_new_tokens > ctx and len(messages) > first + 1:
+            messages = messages[:first] + messages[first + 2 :]
+            ids = self.prompt_ids(messages)
         if len(ids) + self.max_new_tokens > ctx:
             raise ConfigError(
                 problem(
@@ -102,6 +127,7 @@ class ChatSession:
                     "send a shorter message or lower max_new_tokens",
                 )
             )
+        self.messages = messages
         return ids
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
@@ -120,8 +146,7 @@ class ChatSession:
         """Answer `text`, calling `on_text` with each new piece of the answer as it is decoded."""
         start = time.perf_counter()
         self.model.eval()
-        self.messages.append({"role": "user", "content": text})
-        ids = self._fit(self.prompt_ids())
+        ids = self._fit([*self.messages, {"role": "user", "content": text}])
         keep = min(common_prefix(self.fed, ids), len(ids) - 1)  # at least one token is fed for the logits
         if keep < len(self.fed):
             truncate_cache(self.cache, keep)

@@ -29,6 +29,7 @@ from pipeline.modeldir import read_train_state
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import generate_ids
 from pipeline.parity import check_parity, our_logits, parity_windows
+from pipeline.training.batches import check_split_fits
 from pipeline.training.runtime import pick_device, trim_freed_memory
 from pipeline.training.validation import response_nll, validation_loss
 
@@ -55,6 +56,8 @@ def run_evaluate(
     """
     dev = pick_device(cfg.train.device)
     val = load_data(packed_dir, "val")
+    if not is_rows(val):  # as train and teach check it: at least one window of train.seq_len to score
+        check_split_fits(len(val), "val", 1, cfg.train.seq_len)
     windows = parity_windows(val, cfg.train.seq_len, cfg.evaluate.llamacpp_windows)
     tuned = _tuned(gguf, val, windows, packed_dir, train_dir, cfg, dev)
     release_memory()

@@ -3,7 +3,8 @@
 `python -m stages.chat model_path=smollm2` (or models/export/model.gguf). Reads one message per
 line from stdin; `/reset` starts over, `/quit` or end of input leaves. The answer goes to stdout;
 a line per turn on stderr says how many prompt tokens were fed and how many came from the KV cache.
-Not a DVC stage and no MLflow run.
+A max_new_tokens over half the model's context is capped there (a line says so); a message too long
+for the context is one `error:` line and the next message is read. Not a DVC stage and no MLflow run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def open_session(cfg: ChatConfig) -> ChatSession:
     chat_prompt(metadata, tok, "hi")  # refuses a GGUF without a chat template, naming the fix
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
     template = str(metadata["tokenizer.chat_template"])
-    return ChatSession(model, tok, template, sampling, cfg.max_new_tokens, cfg.system)
+    session = ChatSession(model, tok, template, sampling, cfg.max_new_tokens, cfg.system)
+    if session.note:  # max_new_tokens capped to leave room for a prompt in a small context
+        print(session.note, file=sys.stderr, flush=True)
+    return session
 
 
 def report(n: int, stats: TurnStats) -> str:
@@ -45,7 +49,8 @@ def report(n: int, stats: TurnStats) -> str:
 
 
 def repl(session: ChatSession) -> None:
-    """Read messages until /quit or end of input; stream each answer to stdout."""
+    """Read messages until /quit or end of input; stream each answer to stdout. A message the
+    session refuses (too long for the context) is one `error:` line, and the session goes on."""
     interactive = sys.stdin.isatty()
     n = 0
     while True:
@@ -62,8 +67,12 @@ def repl(session: ChatSession) -> None:
             continue
         if not text.strip():
             continue
+        try:
+            _, stats = session.turn(text, lambda piece: print(piece, end="", flush=True))
+        except PipelineError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
         n += 1
-        _, stats = session.turn(text, lambda piece: print(piece, end="", flush=True))
         print(flush=True)
         print(report(n, stats), file=sys.stderr, flush=True)
 

@@ -4,6 +4,7 @@ and the `stages.chat` REPL on the real SmolLM2 through stdin."""
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.chat import ChatSession, common_prefix
+from pipeline.config import ChatConfig
 from pipeline.errors import ConfigError
 from pipeline.generate import load_for_generation
 from pipeline.gguf.chat import default_stop_ids
@@ -20,21 +22,29 @@ from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.decode import for_decoding
 from pipeline.models.llama import Llama
 from pipeline.models.sampling import Sampling, generate_ids
+from stages.chat import open_session, repl
 from tests.conftest import ROOT, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def session_parts(tmp_path_factory) -> tuple:
-    """A random 2-layer llama (context 128) with the tiny byte-level tokenizer and ChatML template."""
+def chat_files(tmp_path_factory) -> tuple[Path, Path]:
+    """(model dir, tokenizer GGUF): a random 2-layer llama (context 128), the tiny byte-level tokenizer
+    and ChatML template."""
     d = tmp_path_factory.mktemp("chat")
     path = write_tiny_gguf(d / "tiny.gguf", vocab=64, width=16, model=True)
     model = Llama(TransformerConfig(64, 32, 2, 4, 2, 64, 128))
     init_weights(model, 0.3, 0)
     (d / "model").mkdir()
     save_model_dir(d / "model", model)
-    model, tok, meta = load_for_generation(str(d / "model"), tokenizer_gguf=str(path))
+    return d / "model", path
+
+
+@pytest.fixture(scope="module")
+def session_parts(chat_files: tuple[Path, Path]) -> tuple:
+    model_dir, path = chat_files
+    model, tok, meta = load_for_generation(str(model_dir), tokenizer_gguf=str(path))
     return model.eval(), tok, str(meta["tokenizer.chat_template"])
 
 
@@ -77,12 +87,47 @@ def test_reset_and_a_full_context_drop_the_oldest_turns(session_parts: tuple) ->
         assert len(chat.fed) <= model.cfg.context_length
     assert chat.messages[0] == {"role": "system", "content": "be"} and chat.messages[-2]["content"] == "h"
     assert len(chat.messages) < 17
+    before = [dict(m) for m in chat.messages]
     with pytest.raises(ConfigError, match="chat message: expected a prompt of at most 125 tokens"):
         chat.turn("a" * 200)
+    assert chat.messages == before  # a refused message leaves the conversation as it was
     chat.reset()
     assert chat.messages == [{"role": "system", "content": "be"}] and chat.fed == [] and chat.cache.length == 0
     _, stats = chat.turn("a")
     assert stats.reused_tokens == 0
+
+
+def test_max_new_tokens_over_half_the_context_is_capped_with_one_line(
+    chat_files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The default 256 on a 128-token model left no room for any prompt: every message was refused."""
+    model_dir, path = chat_files
+    cfg = ChatConfig(model_path=str(model_dir), tokenizer_gguf=str(path), precision="fp32", device="cpu")
+    session = open_session(cfg)
+    assert cfg.max_new_tokens == 256 and session.max_new_tokens == 64
+    note = capsys.readouterr().err.strip().splitlines()
+    assert note == [
+        "chat: max_new_tokens=256 leaves too little of the model's context_length=128 for a prompt; "
+        "answers are capped at 64 tokens (half the context)"
+    ]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    repl(session)
+    assert re.search(r"chat: turn 1: \d+ new prompt tokens", capsys.readouterr().err)
+    half = ChatSession(session.model, session.tok, session.template, max_new_tokens=64)
+    assert half.max_new_tokens == 64 and half.note == ""  # half the context is kept as asked, no line
+
+
+def test_repl_prints_a_refused_message_as_one_line_and_goes_on(
+    session_parts: tuple, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    model, tok, template = session_parts
+    chat = ChatSession(model, tok, template, Sampling(), max_new_tokens=3)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a" * 200 + "\nhi\n"))
+    repl(chat)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 2 and err[0].startswith("error: chat message: expected a prompt of at most 125 tokens")
+    assert err[1].startswith("chat: turn 1: ")  # the next message is answered, numbered as the first turn
+    assert [m["content"] for m in chat.messages if m["role"] == "user"] == ["hi"]
 
 
 def test_chat_cli_answers_two_turns_on_smollm2_reusing_the_cache(tmp_path: Path) -> None:

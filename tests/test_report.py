@@ -91,12 +91,29 @@ def test_report_has_every_section_number_and_chart_and_no_external_url(tmp_path:
     assert "<script" not in html and "data:image" not in md
 
 
-def test_write_report_replaces_both_files_at_once(tmp_path: Path) -> None:
+def test_write_report_replaces_each_file_whole_and_keeps_the_folders_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tracked reports/.gitignore survives (the whole folder was replaced, deleting it); a failed
+    render leaves the previous report as it was."""
     outputs = read_outputs(write_outputs(tmp_path))
     report = build_report(ReportInputs(outputs, "subclone", {"git commit": "x"}, tracking=False))
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / ".gitignore").write_text("/report.html\n")
     md, html = write_report(report, tmp_path / "reports")
-    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["report.html", "report.md"]
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == [".gitignore", "report.html", "report.md"]
+    assert (tmp_path / "reports" / ".gitignore").read_text() == "/report.html\n"
     assert "Tracking is off" in md.read_text() and len(images(html.read_text())) == 5
+    before = md.read_text(), html.read_text()
+
+    def broken(_: object) -> str:
+        raise RuntimeError("render failed")
+
+    monkeypatch.setattr("pipeline.report.page", broken)
+    with pytest.raises(RuntimeError):
+        write_report(report, tmp_path / "reports")
+    assert (md.read_text(), html.read_text()) == before
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == [".gitignore", "report.html", "report.md"]
 
 
 def stage(cwd: Path, *overrides: str, store: Path | None = None) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.files import atomic_dir
+from pipeline.files import write_text
 from pipeline.report.build import ReportInputs, build_report
 from pipeline.report.content import Report
 from pipeline.report.outputs import Outputs, check_ready, read_outputs
@@ -18,8 +18,7 @@ __all__ = ["HTML", "MARKDOWN", "Outputs", "Report", "ReportInputs", "build_repor
 
 
 def write_report(report: Report, out_dir: Path) -> tuple[Path, Path]:
-    """Both files, replacing the folder at once (a failed render leaves the previous report whole)."""
-    with atomic_dir(out_dir) as tmp:
-        (tmp / MARKDOWN).write_text(markdown(report))
-        (tmp / HTML).write_text(page(report))
-    return Path(out_dir) / MARKDOWN, Path(out_dir) / HTML
+    """Both files, each replaced whole (temp + rename) once both are rendered: a failed render leaves
+    the previous report as it was, and the folder's other files (the tracked `.gitignore`) stay."""
+    text, html = markdown(report), page(report)
+    return write_text(Path(out_dir) / MARKDOWN, text), write_text(Path(out_dir) / HTML, html)
