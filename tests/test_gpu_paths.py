@@ -264,9 +264,14 @@ def test_a_queued_cuda_training_step_never_waits_for_the_device(project: Path) -
     )
     assert run.queue is not None
     run.step(0)  # warm-up: lazy initialisations may synchronize once
+    steps_without_sync(run, range(1, 4))
+
+
+def steps_without_sync(run: _Run, steps: range) -> None:
+    """Run the loop's `steps` with any call that synchronizes with the GPU raising, then read their figures."""
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(1, 4):
+        for step in steps:
             run.step(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")

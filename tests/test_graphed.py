@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import LoraConfig, OptimConfig, TrainConfig
+from pipeline.config import LoraConfig, OptimConfig
 from pipeline.data.packed import load_split
 from pipeline.finetune.lora import attach_lora
 from pipeline.modeldir import load_model_dir
@@ -19,7 +19,8 @@ from pipeline.models.llama import Llama
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import graphed, queued
 from pipeline.training.graphed import graphable
-from pipeline.training.loop import Hooks, _Run, train
+from pipeline.training.loop import Hooks, _Run
+from tests.test_gpu_paths import _figures, _train, steps_without_sync
 from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
 
 SMALL = TransformerConfig(vocab_size=50, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
@@ -54,18 +55,6 @@ def test_graphable_runs_are_cuda_token_windows_without_dropout() -> None:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, smollm2) -> Path:
     return make_project(tmp_path_factory.mktemp("graphed"), smollm2)
-
-
-def _train(project: Path, tcfg: TrainConfig, model=None):
-    packed = project / "data" / "packed"
-    model = model or load_model_dir(project / "models" / "init")
-    splits = load_split(packed, "train"), load_split(packed, "val")
-    result, _ = train(model, *splits, tcfg, OptimConfig(warmup_steps=2), 0, progress=False)
-    return model, result
-
-
-def _figures(result) -> list[dict[str, float]]:
-    return [{k: v for k, v in row.items() if k != "tokens_per_second"} for row in result.history]
 
 
 @pytest.fixture
@@ -130,10 +119,4 @@ def test_cuda_graph_replays_never_wait_for_the_device(project: Path) -> None:
     run = _Run(model, *splits, tcfg, OptimConfig(), 0, Hooks(), None, None)
     run.step(0)
     assert run.graph is not None and run.graph.graph is not None  # captured, not the eager fallback
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(1, 4):
-            run.step(step)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    run.settle()
+    steps_without_sync(run, range(1, 4))

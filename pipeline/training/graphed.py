@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from pipeline.config import TrainConfig
+from pipeline.models.cuda_graph import GraphedCall
+from pipeline.models.devices import to_device
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def _dropout(model: nn.Module) -> float:
 
 
 class GraphedStep:
-    """`fn(batches)` captured on `device`, on static copies of the first step's batches; `self(batches)`
+    """`fn(batches)` captured on `device` (a `GraphedCall` on the first step's batches); `self(batches)`
     replays it.
 
     `fn` runs forward and backward and returns 0-d tensors (loss, gradient norm, non-finite flag ...).
@@ -71,44 +73,34 @@ class GraphedStep:
     first: exactly what a replay computes, one launch per kernel."""
 
     def __init__(self, fn: StepFn, batches: Batches, params: list[nn.Parameter], device: torch.device, warmup: int = 2):
-        self.fn, self.params = fn, params
-        self.static = [tuple(t.to(device, copy=True) for t in batch) for batch in batches]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.fn, self.params, self.device = fn, params, device
+        self.sizes = [len(batch) for batch in batches]  # tensors per micro-batch: the flat inputs' layout
+        self.graph: GraphedCall | None = None
         if device.type == "cuda":
             try:
-                self._capture(warmup)
+                self.graph = GraphedCall(self._run_flat, self._flat(batches), warmup, self._clear_grads)
             except RuntimeError as e:  # a kernel that cannot be captured: run eagerly, same numbers
                 log.warning(f"train.cuda_graph: capture failed ({str(e).splitlines()[0][:200]}); running eagerly")
                 torch.cuda.synchronize()
-                self.graph = None
                 self._clear_grads()
 
-    def _capture(self, warmup: int) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # lazy initialisations (cuBLAS, autograd's streams) off the capture
-            for _ in range(warmup):
-                self.fn(self.static)
-                self._clear_grads()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.outputs = self.fn(self.static)
-        self.graph = graph
+    def _flat(self, batches: Batches) -> tuple[torch.Tensor, ...]:
+        return tuple(to_device(t, self.device) for batch in batches for t in batch)
+
+    def _run_flat(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        it = iter(tensors)
+        return self.fn([tuple(next(it) for _ in range(n)) for n in self.sizes])
 
     def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
 
     def __call__(self, batches: Batches) -> tuple[torch.Tensor, ...]:
-        """This step's batches through the captured step; copies of its outputs."""
-        for static, batch in zip(self.static, batches):
-            for s, t in zip(static, batch):
-                s.copy_(t.pin_memory() if s.is_cuda and t.device.type == "cpu" else t, non_blocking=True)
-        if self.graph is None:
-            self._clear_grads()
-            self.outputs = self.fn(self.static)
+        """This step's batches through the captured step; copies of its outputs (the next replay
+        overwrites them)."""
+        if self.graph is not None:
+            outputs = self.graph(*(t for batch in batches for t in batch))
         else:
-            self.graph.replay()
-        return tuple(t.clone() for t in self.outputs)
+            self._clear_grads()
+            outputs = self._run_flat(*self._flat(batches))
+        return tuple(t.clone() for t in outputs)
