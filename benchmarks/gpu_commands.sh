@@ -8,9 +8,10 @@
 #
 # `profile` (not in the default list: the three fill one call) says where a training step's time goes: our loop
 # on the 135m shape under torch.profiler (benchmarks/profile_step.py: step time and MFU, host waits per step and
-# where they come from, kernels per step, GPU idle share, time by category, top kernels), eager, then compiled in
-# a second invocation (a compile that runs past its timeout loses only its own figures). Run it as the follow-up
-# call (about 4 minutes at most):
+# where they come from, kernels per step, GPU idle share, time by category, top kernels): eager (with the Triton
+# kernels of pipeline/models/fused.py), eager without them (--plain), then compiled, each its own invocation (a
+# compile that runs past its timeout loses only its own figures). Run it as the follow-up call (about 5 minutes
+# at most):
 #     bash benchmarks/gpu_commands.sh profile qlora
 # It also writes $OUT/profile_135m_cuda[_compile].json and gzipped chrome traces $OUT/profile_135m_*.json.gz.
 # `qlora` (also not in the default list) runs QLoRA on the donor's own Q4_1 blocks and on Q8_0 / Q4_0 bases
@@ -72,7 +73,8 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark under timeout, tee'd to $
 if [ "${DRY_RUN:-0}" != 1 ]; then
     "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "no CUDA device: nothing to run"; exit 1; }
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu_device.txt"
+[ "${DRY_RUN:-0}" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+    | tee "$OUT/gpu_device.txt"
 has liger_kernel || echo "skipped: liger_kernel not installed (train's hf-liger contender)"
 has peft || echo "skipped: peft not installed (lora's hf contender)"
 donor_ok && have_donor=1 || have_donor=0
@@ -82,7 +84,7 @@ for part in "${parts[@]}"; do
     case $part in
     train)
         bench train "${TRAIN_TIMEOUT:-260}" benchmarks/train_throughput.py --device cuda \
-            --shapes 135m,tiny,small,tiny-default --contenders ours,ours-graph,ours-compile,hf,hf-compile,hf-liger \
+            --shapes 135m,tiny,small,tiny-default --contenders ours,ours-plain,ours-graph,ours-compile,hf,hf-compile,hf-liger \
             --steps 10 --warmup 3
         ;;
     lora)
@@ -105,8 +107,9 @@ for part in "${parts[@]}"; do
             --new-tokens 256 --warmup 1 --repeats 3
         ;;
     profile)
-        for mode in eager compile; do
+        for mode in eager plain compile; do
             flag=() name=profile limit=${PROFILE_TIMEOUT:-90}
+            [ $mode = plain ] && flag=(--plain) name=profile_plain
             [ $mode = compile ] && flag=(--compile) name=profile_compile limit=${PROFILE_COMPILE_TIMEOUT:-150}
             bench $name "$limit" benchmarks/profile_step.py --device cuda --shape 135m "${flag[@]}" --steps 5 \
                 --warmup 3 --out "$OUT" --trace "$OUT/profile_135m_$mode.json.gz"

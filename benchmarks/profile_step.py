@@ -163,6 +163,7 @@ def run_loop(args: argparse.Namespace, shape: Shape, window: Window) -> loop.Tra
     total = window.start + window.steps + 1
     batch = dict(steps=total, batch_size=shape.batch, seq_len=shape.seq, precision=args.precision)
     run = dict(device=args.device, compile=args.compile, cuda_graph=args.cuda_graph, keep_best=False)
+    run["fused_kernels"] = not args.plain
     # validation only at the last step (after the window); exactly one log step inside the window
     cadence = dict(eval_every=total, log_every=window.log_step + 1, max_epochs=0.0, checkpoint_every=0)
     tcfg = TrainConfig(**batch, **run, **cadence, resume="never")
@@ -275,7 +276,8 @@ def summarize(window: Window, shape: Shape, args: argparse.Namespace, seconds: f
     tokens, fpt = shape.batch * shape.seq, train_flops_per_token(shape)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (H100_BF16_TFLOPS * 1e12 if window.cuda else None)
     s: dict[str, Any] = dict(shape=shape.describe(), device=device_name(window.device), steps=n, seconds=seconds)
-    s.update({k: getattr(args, k) for k in ("compile", "cuda_graph", "precision", "warmup")}, tokens_per_step=tokens)
+    s.update({k: getattr(args, k) for k in ("compile", "cuda_graph", "plain", "precision", "warmup")})
+    s.update(tokens_per_step=tokens)
     s.update(step_ms=statistics.median(profiled), step_ms_unprofiled=statistics.median(timed), step_ms_each=profiled)
     s.update(peak_tflops=peak / 1e12 if peak else None, categories=cats, top=top)
     for key in ("", "_unprofiled"):
@@ -298,6 +300,7 @@ def report(s: dict[str, Any], cuda: bool) -> None:
     """The summary as plain lines: timing, host waits, GPU use, then the tables."""
     w, each = s["host_waits"], lambda xs: " ".join(f"{x:.1f}" for x in xs)
     mode = "train.cuda_graph=true" if s.get("cuda_graph") else "train.compile=true" if s["compile"] else "eager"
+    mode += "; train.fused_kernels=false" if s.get("plain") else ""
     reads = "it reads the queued figures: one wait by design" if cuda else "on CPU every step reads its figures"
     print(f"\n== profile_step: {s['shape']}\n   {s['device']}; {mode}; {s['precision']}; loop: pipeline.training.loop")
     print(
@@ -355,7 +358,8 @@ def save(s: dict[str, Any], window: Window, args: argparse.Namespace, shape: Sha
         print(f"trace: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_{shape.name}_{args.device}{'_compile' * args.compile}{'_graph' * args.cuda_graph}.json"
+    modes = f"{'_compile' * args.compile}{'_graph' * args.cuda_graph}{'_plain' * args.plain}"
+    name = f"profile_{shape.name}_{args.device}{modes}.json"
     (out / name).write_text(json.dumps(s, indent=1))
     print(f"summary: {out / name}")
 
@@ -366,6 +370,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--compile", action="store_true", help="train.compile=true (compiled blocks)")
     p.add_argument("--cuda-graph", action="store_true", help="train.cuda_graph=true (each step one CUDA graph)")
+    p.add_argument("--plain", action="store_true", help="train.fused_kernels=false (no Triton kernels)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--steps", type=int, default=5, help="timed steps, then as many profiled")
     p.add_argument("--warmup", type=int, default=3, help="steps first (at least 1: compilation, the first log)")

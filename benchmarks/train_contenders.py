@@ -3,11 +3,12 @@ another (on a GPU they would not all fit comfortably together, and each one's pe
 own), with the same step as the CPU comparison: bf16 autocast forward + loss, backward, grad-norm clip
 1.0, fused AdamW (`make_optimizer`), zero_grad.
 
-Contenders: `ours` (`Llama.loss`), `ours-compile` (`compile_blocks`, i.e. train.compile=true), `ours-graph`
-(forward, backward and clip replayed as one CUDA graph, i.e. train.cuda_graph=true; CUDA only), `hf`
-(transformers `LlamaForCausalLM`, sdpa attention, its own loss), `hf-compile` (`torch.compile` of that
-model), `hf-liger` (Liger kernels patched into transformers' llama before the model is built; skipped
-when `liger_kernel` is not installed).
+Contenders: `ours` (`Llama.loss`; on CUDA with the Triton kernels of `models.fused`), `ours-plain` (the
+same with them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (`compile_blocks`, i.e.
+train.compile=true), `ours-graph` (forward, backward and clip replayed as one CUDA graph, i.e.
+train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa attention, its own loss),
+`hf-compile` (`torch.compile` of that model), `hf-liger` (Liger kernels patched into transformers' llama
+before the model is built; skipped when `liger_kernel` is not installed).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from gpu_common import (  # this folder is on sys.path when run as a script
 
 from pipeline.config import OptimConfig
 from pipeline.models.base import init_weights
+from pipeline.models.fused import use_fused_kernels
 from pipeline.models.llama import Llama
 from pipeline.training.graphed import GraphedStep
 from pipeline.training.optim import gradient_norm, make_optimizer
 from pipeline.training.queued import nonfinite
 from pipeline.training.runtime import autocast, compile_blocks
 
-CONTENDERS = ("ours", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
+CONTENDERS = ("ours", "ours-plain", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
 
 
 @dataclass
@@ -136,6 +138,7 @@ def build(name: str, shape: Shape, x: torch.Tensor, y: torch.Tensor, device: tor
         model = Llama(shape.config())
         init_weights(model, 0.02, 0)
         model.to(device).train()
+        use_fused_kernels(model, name != "ours-plain")
         if name == "ours-compile":
             compile_blocks(model)
         if name == "ours-graph":
@@ -185,8 +188,8 @@ def run_shape(shape: Shape, names: list[str], args: argparse.Namespace, device: 
         if name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
             print(f"  {name:16s} skipped: liger_kernel not installed", flush=True)
             continue
-        if name == "ours-graph" and device.type != "cuda":
-            print(f"  {name:16s} skipped: CUDA graphs need a GPU", flush=True)
+        if name in ("ours-graph", "ours-plain") and device.type != "cuda":
+            print(f"  {name:16s} skipped: a CUDA-only path", flush=True)
             continue
         release(device, compiled=True)
         f = guarded(name, lambda name=name: measure(name, shape, args, device))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models import fused
 from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
 from pipeline.models.devices import to_device
 from pipeline.models.varlen import PackedRows
@@ -38,14 +39,17 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 whatever the autocast dtype."""
+    """Root-mean-square norm, computed in fp32 whatever the autocast dtype (`fused`: its Triton kernels on CUDA)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.wanted(self.fused, x, self.weight):
+            return fused.rms_norm(x, self.weight, self.eps)
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
@@ -107,6 +111,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * hd, bias=False)
         self.wo = nn.Linear(cfg.n_head * hd, cfg.d_model, bias=False)
+        self.fused = True  # RoPE through its Triton kernel on CUDA (`fused`)
 
     def forward(
         self,
@@ -123,9 +128,14 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
         v = self.wv(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         y = attend(q, k, v, cache, layer, rows)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if fused.wanted(self.fused, x, cos, sin) and fused.rope_fits(x, cos, sin):
+            return fused.rope(x, cos, sin)
+        return apply_rope(x, cos, sin)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -154,9 +164,13 @@ class FeedForward(nn.Module):
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.fused = True  # SwiGLU through its Triton kernel on CUDA (`fused`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(_SwiGLU.apply(self.gate(x), self.up(x)))
+        g, u = self.gate(x), self.up(x)
+        if fused.wanted(self.fused, g, u) and g.dtype == u.dtype and g.shape == u.shape:
+            return self.down(fused.swiglu(g, u))
+        return self.down(_SwiGLU.apply(g, u))
 
 
 class Llama(DecoderLM):

@@ -39,11 +39,10 @@ from pipeline.training.runtime import (
     NonFiniteError,
     autocast,
     bound_kernel_caches,
-    compile_blocks,
-    enable_activation_checkpointing,
     interrupted,
     keep_freed_memory,
     pick_device,
+    speed_switches,
     stop_on_signals,
     trim_freed_memory,
 )
@@ -393,8 +392,5 @@ def _prepare(model: nn.Module, tcfg: TrainConfig, seed: int, plan: CheckpointPla
     if resume is not None:
         load_weights(resume, model)
     model.to(device).train()
-    if tcfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if tcfg.compile:
-        compile_blocks(model)
+    speed_switches(model, tcfg)
     return device

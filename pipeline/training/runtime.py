@@ -1,5 +1,5 @@
-"""Where and how a training process runs: device, allocator, autocast, activation checkpointing,
-compiled blocks, and the signals that ask it to stop."""
+"""Where and how a training process runs: device, allocator, autocast, the model's speed switches
+(fused kernels, activation checkpointing, compiled blocks), and the signals that ask it to stop."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.config import TrainConfig
 from pipeline.errors import ConfigError, PipelineError, problem
+from pipeline.models.fused import use_fused_kernels
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,15 @@ def compile_blocks(model: nn.Module) -> None:
     that dimension dynamic instead of compiling once per count."""
     for block in getattr(model, "blocks", []):
         block.compile(dynamic=None)
+
+
+def speed_switches(model: nn.Module, tcfg: TrainConfig) -> None:
+    """Apply `train.fused_kernels`, `train.activation_checkpointing` and `train.compile` to the placed model."""
+    use_fused_kernels(model, tcfg.fused_kernels)
+    if tcfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if tcfg.compile:
+        compile_blocks(model)
 
 
 @contextmanager
