@@ -50,7 +50,7 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
     if not p.is_file():
         raise DataError(problem(str(p), "an instruction JSONL file", "no such file", "check data.path"))
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is no part of line 1
     except UnicodeDecodeError as e:
         raise DataError(
             problem(str(p), "UTF-8 text", f"undecodable bytes at {e.start}", "re-encode as UTF-8")

@@ -16,6 +16,7 @@ from pipeline.errors import DataError, one_line, problem
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+UTF8_BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; it is no part of the text
 
 
 def compression(p: Path) -> str:
@@ -74,8 +75,9 @@ def open_binary(p: Path) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
 
 
 def iter_lines(p: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each line, newline kept, `\\r\\n` and `\\r` read as `\\n` as `read_text`
-    does. Undecodable bytes and corrupt compressed streams end in one named line with the offset."""
+    """(line number, text) of each line, newline kept, `\\r\\n` and `\\r` read as `\\n` and a leading
+    UTF-8 BOM dropped, as `read_text` does. Undecodable bytes and corrupt compressed streams end in one
+    named line with the offset."""
     offset = 0
     with open_binary(p) as (stream, raw_offset):
         lines = iter(stream)
@@ -95,8 +97,15 @@ def iter_lines(p: Path) -> Iterator[tuple[int, str]]:
             if line is None:
                 return
             lineno += 1
-            yield lineno, decode(line, p, offset)
+            body, skip = without_bom(line) if lineno == 1 else (line, 0)
+            yield lineno, decode(body, p, offset + skip)
             offset += len(line)
+
+
+def without_bom(data: bytes) -> tuple[bytes, int]:
+    """`data` without a leading UTF-8 BOM (a Windows editor's mark, not text), and how many bytes went."""
+    skip = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    return data[skip:], skip
 
 
 def decode(data: bytes, p: Path, offset: int = 0) -> str:
@@ -121,7 +130,8 @@ def read_text(p: Path) -> str:
             raise DataError(
                 problem(str(p), "a readable file", f"{type(e).__name__}: {e}", "re-download or recompress the file")
             ) from None
-    return decode(data, p)
+    body, skip = without_bom(data)
+    return decode(body, p, skip)
 
 
 def iter_parquet(p: Path, column: str, batch_rows: int = 1024) -> Iterator[tuple[int, str | None]]:
