@@ -35,6 +35,7 @@ from pipeline.config.checks import check
 from pipeline.data.packed import load_meta, load_split
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.files import atomic_dir
+from pipeline.gguf.reader import GGUFFile
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
@@ -276,13 +277,29 @@ def _check_groups(cfg: TransformerConfig, donor: TransformerConfig) -> None:
     )
 
 
+def load_llama_donor(path: Path) -> tuple[Llama, GGUFFile]:
+    """The subclone donor: any llama GGUF; another architecture is named for what it is, with the fix."""
+    g = GGUFFile(path)
+    if g.architecture != "llama":
+        raise GGUFError(
+            problem(
+                f"{path} general.architecture",
+                "llama (recipe.init=subclone cuts a llama student out of a llama donor)",
+                repr(g.architecture),
+                "use a llama GGUF as donor.path, or a recipe that reads only the donor's embeddings "
+                "(recipe=warm-start or pca-lens) or none (recipe=from-scratch)",
+            )
+        )
+    return load_llama(g)
+
+
 def run_calibration(
     donor_path: Path, packed_dir: Path, mcfg: ModelConfig, settings: SubcloneConfig, out_dir: Path
 ) -> tuple[Calibration, dict[str, float]]:
     """The donor stage for `recipe.init=subclone`: load, check the student of shape `mcfg` fits, calibrate
     on the train split, save `calibration.safetensors` + `meta.json` atomically. Returns the calibration
     and the metrics."""
-    donor, gguf = load_llama(Path(donor_path))
+    donor, gguf = load_llama_donor(Path(donor_path))
     vocab = load_meta(packed_dir).vocab_size
     student = TransformerConfig.from_hparams(mcfg, vocab)
     check_donor(donor, Path(donor_path), vocab, Path(packed_dir) / "meta.json", student)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.calibrate import CALIBRATION_FILE, Calibration, checked_windows
+from pipeline.calibrate import CALIBRATION_FILE, Calibration, checked_windows, load_llama_donor
 from pipeline.config import ModelConfig, RecipeConfig
 from pipeline.data.packed import load_data, load_meta, load_split
 from pipeline.donor import PCA_FILE, PCAResult, read_donor_embeddings
@@ -32,7 +32,6 @@ from pipeline.finetune.lora import trainable_summary
 from pipeline.modeldir import FinetuneSpec, save_model_dir
 from pipeline.models.base import TransformerConfig, count_parameters, init_weights
 from pipeline.models.llama import Llama
-from pipeline.models.llama_gguf import load_llama
 from pipeline.models.registry import build_model
 from pipeline.models.vit import ViT, ViTConfig
 from pipeline.models.vit_gguf import f32
@@ -249,7 +248,7 @@ def realize_subclone(
     `realize.json` saying what the student kept. Returns the stage metrics."""
     val = load_data(packed_dir, "val")
     _check_val_window(val, seq_len)
-    donor, _ = load_llama(Path(donor_path))
+    donor, _ = load_llama_donor(Path(donor_path))
     calib = load_calibration(donor, donor_dir)
     vocab = load_meta(packed_dir).vocab_size
     cfg = TransformerConfig.from_hparams(mcfg, vocab)

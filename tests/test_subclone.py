@@ -14,14 +14,14 @@ import torch
 from pipeline.calibrate import CALIBRATION_FILE, Calibration, calibrate, check_student, run_calibration, windows
 from pipeline.config import ModelConfig, RecipeConfig, SubcloneConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, GGUFError, PipelineError
 from pipeline.modeldir import load_model_dir, read_realize
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.realize import run_realize
 from pipeline.transfer import fit_gain, select_heads, select_layers, subclone
-from tests.conftest import write_tiny_llama_gguf
+from tests.conftest import write_tiny_gguf, write_tiny_llama_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -212,6 +212,19 @@ def test_calibration_windows_that_do_not_fit_the_donor_or_the_split_fail_on_one_
     mcfg = ModelConfig(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5)
     with pytest.raises(ConfigError, match=needle):
         run_calibration(path, packed, mcfg, SubcloneConfig(calib_seq_len=calib_seq_len), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_donor_of_another_architecture_names_the_recipes_that_take_it(tmp_path: Path) -> None:
+    """It said "expected llama (supported architectures: llama, gpt2, vit), found 'gpt2'"; fix: a supported one."""
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", vocab=VOCAB, width=16, arch="gpt2", model=True)
+    mcfg = ModelConfig(d_model=16, n_layer=1, n_head=2, n_kv_head=2, d_ff=32)
+    with pytest.raises(GGUFError) as err:
+        run_calibration(path, packed_dir(tmp_path / "packed"), mcfg, SubcloneConfig(), tmp_path / "d")
+    assert "general.architecture: expected llama (recipe.init=subclone" in str(err.value)
+    assert "found 'gpt2'; fix: use a llama GGUF as donor.path, or" in str(err.value) and "recipe=warm-start" in str(
+        err.value
+    )
     assert not (tmp_path / "d").exists()
 
 
