@@ -84,6 +84,10 @@ def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
     ("line", "pattern"),
     [
         ("{not json", r"line 2: expected a JSON object, found invalid JSON"),
+        (
+            '{"prompt": "q \\ud800", "response": "a"}',
+            r"line 2: expected valid Unicode text, found a lone surrogate \\ud800",
+        ),
         ('["a", "b"]', r"line 2: expected an object with string \"prompt\".*found list"),
         ('{"prompt": "q"}', r"line 2: expected an object.*found keys \['prompt'\]"),
         ('{"prompt": "q", "response": 3}', r"line 2: .*found keys \['prompt', 'response'\]"),

@@ -152,6 +152,19 @@ def test_a_utf8_bom_is_dropped_from_every_source(tmp_path: Path) -> None:
         load_documents(DataConfig(source="text", path=str(tmp_path / "bad.txt")))
 
 
+def test_a_lone_surrogate_escape_in_jsonl_names_the_line(tmp_path: Path) -> None:
+    """Valid JSON, but half an emoji is no text: it was a TypeError traceback from the tokenizer."""
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "\\ud83d\\ude00 a whole emoji"}\n{"text": "cut \\ud83d"}\n')
+    with pytest.raises(DataError, match=rf"^{p} line 2: expected valid Unicode text, found a lone surrogate \\ud83d"):
+        load_documents(DataConfig(source="jsonl", path=str(p)))
+    p.write_text('{"text": "\\ud83d\\ude00 a whole emoji"}\n{"text": "b"}\n')
+    assert [d.text for d in load_documents(DataConfig(source="jsonl", path=str(p)))] == [
+        "\U0001f600 a whole emoji",
+        "b",
+    ]
+
+
 def test_undecodable_text_names_the_byte_offset(tmp_path: Path) -> None:
     p = tmp_path / "t.txt"
     p.write_bytes(b"fine line\n---\nok \xff bad\n")

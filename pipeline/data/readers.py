@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from pipeline.errors import DataError, one_line, problem
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
 UTF8_BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; it is no part of the text
 
 
@@ -119,6 +122,22 @@ def decode(data: bytes, p: Path, offset: int = 0) -> str:
             )
         ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def load_json_line(line: str, where: str) -> object:
+    """One JSONL line parsed, or a one-line DataError: invalid JSON, or a lone surrogate escape (half of
+    an emoji cut in two, common in scraped text), which is valid JSON but no text a tokenizer takes."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
+    if SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            found = f"a lone surrogate \\u{ord(e.object[e.start]):04x} (half of a UTF-16 pair, e.g. a cut emoji)"
+            raise DataError(problem(where, "valid Unicode text", found, "repair or remove the line")) from None
+    return obj
 
 
 def read_text(p: Path) -> str:
