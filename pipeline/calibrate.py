@@ -33,8 +33,9 @@ from safetensors.numpy import load_file, save_file
 from pipeline.config import ModelConfig, SubcloneConfig
 from pipeline.config.checks import check
 from pipeline.data.packed import load_meta, load_split
-from pipeline.errors import GGUFError, problem
+from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.files import atomic_dir
+from pipeline.gguf.reader import GGUFFile
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
@@ -126,6 +127,29 @@ def windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torch.Tensor:
     n = max(1, n_tokens // seq_len)
     starts = np.linspace(0, len(tokens) - seq_len, n).astype(np.int64)
     return torch.from_numpy(np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts]))
+
+
+def checked_windows(
+    tokens: np.ndarray, n_tokens: int, calib_seq_len: int, context_length: int, model: str, extra: int = 0
+) -> torch.Tensor:
+    """`windows` of `calib_seq_len + extra` tokens (realize's head fit: one more), after checking that one
+    fits in the train split and in `model`'s context_length: a small corpus or a long
+    recipe.subclone.calib_seq_len is a one-line ConfigError, not a numpy or model traceback."""
+    limit = min(len(tokens) - extra, context_length)  # the model sees calib_seq_len tokens of each window
+    if calib_seq_len > limit:
+        fix = f"set recipe.subclone.calib_seq_len={limit}" if limit >= 2 else "pack a larger corpus"
+        if 2 <= limit < context_length:
+            fix += ", or pack a larger corpus"
+        raise ConfigError(
+            problem(
+                "config key recipe.subclone.calib_seq_len",
+                f"at most {limit} (the train split has {len(tokens)} tokens, the {model}'s context_length is "
+                f"{context_length})",
+                str(calib_seq_len),
+                fix,
+            )
+        )
+    return windows(tokens, n_tokens, calib_seq_len + extra)
 
 
 @torch.no_grad()
@@ -253,18 +277,35 @@ def _check_groups(cfg: TransformerConfig, donor: TransformerConfig) -> None:
     )
 
 
+def load_llama_donor(path: Path) -> tuple[Llama, GGUFFile]:
+    """The subclone donor: any llama GGUF; another architecture is named for what it is, with the fix."""
+    g = GGUFFile(path)
+    if g.architecture != "llama":
+        raise GGUFError(
+            problem(
+                f"{path} general.architecture",
+                "llama (recipe.init=subclone cuts a llama student out of a llama donor)",
+                repr(g.architecture),
+                "use a llama GGUF as donor.path, or a recipe that reads only the donor's embeddings "
+                "(recipe=warm-start or pca-lens) or none (recipe=from-scratch)",
+            )
+        )
+    return load_llama(g)
+
+
 def run_calibration(
     donor_path: Path, packed_dir: Path, mcfg: ModelConfig, settings: SubcloneConfig, out_dir: Path
 ) -> tuple[Calibration, dict[str, float]]:
     """The donor stage for `recipe.init=subclone`: load, check the student of shape `mcfg` fits, calibrate
     on the train split, save `calibration.safetensors` + `meta.json` atomically. Returns the calibration
     and the metrics."""
-    donor, gguf = load_llama(Path(donor_path))
+    donor, gguf = load_llama_donor(Path(donor_path))
     vocab = load_meta(packed_dir).vocab_size
     student = TransformerConfig.from_hparams(mcfg, vocab)
     check_donor(donor, Path(donor_path), vocab, Path(packed_dir) / "meta.json", student)
     d_model = student.d_model
-    ids = windows(load_split(packed_dir, "train"), settings.calib_tokens, settings.calib_seq_len)
+    train = load_split(packed_dir, "train")
+    ids = checked_windows(train, settings.calib_tokens, settings.calib_seq_len, donor.cfg.context_length, "donor")
     start = time.perf_counter()
     calib = calibrate(donor, ids, settings.outlier_factor)
     seconds = time.perf_counter() - start

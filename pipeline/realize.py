@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.calibrate import CALIBRATION_FILE, Calibration, windows
+from pipeline.calibrate import CALIBRATION_FILE, Calibration, checked_windows, load_llama_donor
 from pipeline.config import ModelConfig, RecipeConfig
 from pipeline.data.packed import load_data, load_meta, load_split
 from pipeline.donor import PCA_FILE, PCAResult, read_donor_embeddings
@@ -32,7 +32,6 @@ from pipeline.finetune.lora import trainable_summary
 from pipeline.modeldir import FinetuneSpec, save_model_dir
 from pipeline.models.base import TransformerConfig, count_parameters, init_weights
 from pipeline.models.llama import Llama
-from pipeline.models.llama_gguf import load_llama
 from pipeline.models.registry import build_model
 from pipeline.models.vit import ViT, ViTConfig
 from pipeline.models.vit_gguf import f32
@@ -247,17 +246,19 @@ def realize_subclone(
 ) -> dict[str, float]:
     """Every weight from the donor (pipeline/transfer.py), the fp32 val loss before training, and
     `realize.json` saying what the student kept. Returns the stage metrics."""
-    donor, _ = load_llama(Path(donor_path))
+    val = load_data(packed_dir, "val")
+    _check_val_window(val, seq_len)
+    donor, _ = load_llama_donor(Path(donor_path))
     calib = load_calibration(donor, donor_dir)
     vocab = load_meta(packed_dir).vocab_size
     cfg = TransformerConfig.from_hparams(mcfg, vocab)
     model, sel = subclone(donor, calib, cfg, recipe.subclone.layers)
     report = transfer_report(donor, model, calib, sel)
-    val = load_data(packed_dir, "val")
     report["step0_val_loss_closed_form"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
     settings = recipe.subclone
     if settings.head_fit_tokens:
-        ids = windows(load_split(packed_dir, "train"), settings.head_fit_tokens, settings.calib_seq_len + 1)
+        train, n = load_split(packed_dir, "train"), settings.head_fit_tokens
+        ids = checked_windows(train, n, settings.calib_seq_len, cfg.context_length, "student", extra=1)
         report["head_fit_loss_before"], report["head_fit_loss_after"] = fit_gain(model, ids, settings.head_fit_iters)
     report["step0_val_loss"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
     record = {"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
@@ -265,6 +266,19 @@ def realize_subclone(
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, realize=record)
     return {**report, "vocab_size": float(vocab)}
+
+
+def _check_val_window(val: object, seq_len: int) -> None:
+    """Running text: the step-0 val loss needs one window of seq_len + 1 tokens (as train's check says)."""
+    if isinstance(val, np.ndarray) and len(val) < seq_len + 1:
+        raise ConfigError(
+            problem(
+                "config key train.seq_len",
+                f"at most {len(val) - 1} (the val split has {len(val)} tokens)",
+                str(seq_len),
+                "lower train.seq_len or pack a larger corpus",
+            )
+        )
 
 
 def _selection_record(sel: Selection) -> dict[str, list]:

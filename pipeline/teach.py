@@ -80,15 +80,24 @@ def load_donor(path: Path, vocab_size: int) -> DecoderLM:
 def check_teach(tcfg: TrainConfig, meta: PackMeta, context_length: int) -> None:
     """What the donor and the packed data must allow for the configured distillation."""
     d = tcfg.distill
-    limits = [("train.distill.top_k", d.top_k, meta.vocab_size, "the vocab size")]
-    limits.append(("train.seq_len", tcfg.seq_len, context_length, "the donor's context_length"))
+    limits = [("train.distill.top_k", d.top_k, meta.vocab_size, "the vocab size"), seq_len_limit(tcfg, context_length)]
     if d.mode == "cached":
         limits.append(("train.distill.context", d.context, context_length, "the donor's context_length"))
+    check_limits(limits)
+    tcfg.check_distill_context()
+
+
+def seq_len_limit(tcfg: TrainConfig, context_length: int) -> tuple[str, int, int, str]:
+    """The donor's val loss is measured over windows of train.seq_len: the donor must see that many."""
+    return ("train.seq_len", tcfg.seq_len, context_length, "the donor's context_length")
+
+
+def check_limits(limits: list[tuple[str, int, int, str]]) -> None:
+    """Each (key, value, limit, what the limit is) with value > limit is a one-line ConfigError."""
     for key, value, limit, what in limits:
         if value > limit:
             fix = f"set {key}<={limit}"
             raise ConfigError(problem(f"config key {key}", f"at most {what}={limit}", str(value), fix))
-    tcfg.check_distill_context()
 
 
 @torch.no_grad()
@@ -176,7 +185,9 @@ def _record_off(
     """Distillation off: the meta with the donor's val loss (token corpora only), no cache."""
     metrics = {"cached_positions": 0.0}
     if pmeta.format == "tokens":
-        _measure_donor(load_donor(donor, pmeta.vocab_size).to(device), packed_dir, tcfg.seq_len, device, meta)
+        model = load_donor(donor, pmeta.vocab_size).to(device)
+        check_limits([seq_len_limit(tcfg, model.cfg.context_length)])
+        _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
         metrics["donor_val_loss"] = float(meta.donor_val_loss)
     meta.seconds = time.perf_counter() - start
     with atomic_dir(out_dir) as tmp:

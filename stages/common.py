@@ -38,6 +38,7 @@ from stages.runs import open_run
 CONFIG_PATH = "../conf"
 T = TypeVar("T")
 CONFIG_NAME = "config"
+SWEEP_DIR = "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}-${run_token:}"  # as conf/config.yaml's hydra.sweep.dir
 # MLflow's run page draws one chart per key, in sections by prefix (alphabetical, unprefixed last):
 # the loss curves share the first section, the single-value summaries (`summary/`) the next.
 # With distillation the train loss's two parts are charted beside it (`loss/train_ce`, `loss/train_kd`).
@@ -165,10 +166,20 @@ def entry(main: Callable[[], Any]) -> None:
     option, override syntax) end like ours: one `error:` line and exit 2, not Hydra's multi-line
     report and exit 1. Bugs still raise with their traceback."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra re-raises instead of printing and exiting 1
+    sys.argv[1:] = sweep_dir_args(sys.argv[1:])
     try:
         main()
     except HydraException as e:
         fail(hydra_message(e))
+
+
+def sweep_dir_args(argv: list[str]) -> list[str]:
+    """`argv`, plus conf/config.yaml's tokened `hydra.sweep.dir` for a multirun that sets none: a composed
+    config (`--config-name params`) has no `hydra` section, and Hydra's own default has no token, so two
+    multiruns started in the same second shared one directory."""
+    if not {"-m", "--multirun"} & set(argv) or any(a.lstrip("+~").startswith("hydra.sweep.dir=") for a in argv):
+        return argv
+    return [*argv, f"hydra.sweep.dir={SWEEP_DIR}"]
 
 
 def hydra_message(e: HydraException) -> str:

@@ -106,7 +106,9 @@ def check_sweep(stage: str, argv: list[str]) -> None:
 
 def unread_message(stage: str, ignored: list[str], task: list[str]) -> str:
     key = ignored[0]
-    causes = [o for o in task if _override_key(o) and (key + ".").startswith(_override_key(o) + ".")] or task
+    causes = [o for o in task if _override_key(o) and (key + ".").startswith(_override_key(o) + ".")]
+    # else a group choice (preset=tiny, model=llama-tiny) changed it: never blame the stage's own keys
+    causes = causes or [o for o in task if "." not in _override_key(o) and not reads(stage, _override_key(o))] or task
     by = readers(key) or ["no stage"]
     more = f" (and {len(ignored) - 1} more key(s))" if len(ignored) > 1 else ""
     return (

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -118,6 +121,24 @@ def test_multiruns_started_in_the_same_second_get_sweep_dirs_of_their_own() -> N
     job = OmegaConf.create(OmegaConf.to_container(first, resolve=False))
     OmegaConf.copy_cache(from_config=first, to_config=job)
     assert first.hydra.sweep.dir == a and job.hydra.sweep.dir == a
+
+
+def test_a_multirun_on_the_composed_params_gets_a_tokened_sweep_dir_too(tmp_path: Path) -> None:
+    """params.yaml has no `hydra` section: Hydra's default sweep dir (no token) applied to such sweeps."""
+    from stages.common import SWEEP_DIR, sweep_dir_args
+
+    assert yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["hydra"]["sweep"]["dir"] == SWEEP_DIR
+    assert sweep_dir_args(["a=1"]) == ["a=1"] and sweep_dir_args(["-m", "hydra.sweep.dir=x"]) == [
+        "-m",
+        "hydra.sweep.dir=x",
+    ]
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "stages.inputs", "--config-dir", ".", "--config-name", "params", "-m", "output=quiet"]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (day,) = (tmp_path / "multirun").iterdir()
+    assert [re.fullmatch(r"\d\d-\d\d-\d\d-[0-9a-f]{6}", d.name) is not None for d in day.iterdir()] == [True]
 
 
 def test_a_group_choice_on_the_composed_params_is_one_line_naming_the_group() -> None:

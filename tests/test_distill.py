@@ -205,6 +205,17 @@ def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Pro
         TeacherCache(tmp_path / "off")
 
 
+@pytest.mark.parametrize("distill", [DISTILL, DistillConfig()])
+def test_teach_refuses_a_seq_len_beyond_the_donors_context_with_distillation_on_or_off(
+    project: Project, tmp_path: Path, distill: DistillConfig
+) -> None:
+    """Off too: the donor's val loss is still measured over windows of train.seq_len (it was a traceback)."""
+    tcfg = replace(TCFG, seq_len=DONOR.context_length + 1, distill=replace(distill, context=DONOR.context_length + 1))
+    with pytest.raises(ConfigError, match=r"config key train.seq_len: expected at most the donor's context_length=64"):
+        project.teach_with(tcfg, tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
 def test_teach_refuses_top_k_beyond_the_vocab_and_instruction_rows(project: Project, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         project.teach_with(replace(TCFG, distill=replace(DISTILL, top_k=VOCAB + 1)), tmp_path / "t")

@@ -74,6 +74,12 @@ def test_not_a_gguf(tmp_path: Path) -> None:
     assert_fails_cleanly(tmp_path, p, "x.gguf", "magic")
 
 
+def test_an_empty_file_names_its_size_and_the_fix(tmp_path: Path) -> None:
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    assert_fails_cleanly(tmp_path, p, "empty.gguf", "found 0 bytes; fix: point at a .gguf file")
+
+
 def test_truncated_file(tmp_path: Path) -> None:
     good = write_tiny_gguf(tmp_path / "good.gguf", vocab=256, width=64)
     data = good.read_bytes()

@@ -72,6 +72,8 @@ def test_which_stage_reads_which_key() -> None:
     message = unread_message("train", ["model.d_model"], ["optim.lr=1", "model.d_model=96"])
     assert message.startswith("config key model.d_model: stage train does not read it, donor, realize does")
     assert "model.d_model=96 changing it" in message and "dvc exp run -S 'model.d_model=96'" in message
+    message = unread_message("train", ["model.d_model"], ["optim.lr=1", "seed=3", "preset=tiny", "output=quiet"])
+    assert "found the override preset=tiny changing it" in message and "dvc exp run -S 'preset=tiny'" in message
 
 
 def test_lineage_names_the_key_both_values_and_the_fix(tmp_path: Path) -> None:

@@ -84,6 +84,10 @@ def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
     ("line", "pattern"),
     [
         ("{not json", r"line 2: expected a JSON object, found invalid JSON"),
+        (
+            '{"prompt": "q \\ud800", "response": "a"}',
+            r"line 2: expected valid Unicode text, found a lone surrogate \\ud800",
+        ),
         ('["a", "b"]', r"line 2: expected an object with string \"prompt\".*found list"),
         ('{"prompt": "q"}', r"line 2: expected an object.*found keys \['prompt'\]"),
         ('{"prompt": "q", "response": 3}', r"line 2: .*found keys \['prompt', 'response'\]"),
@@ -105,6 +109,20 @@ def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, patt
     with pytest.raises(DataError, match=pattern) as info:
         read_instruct_jsonl(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_utf8_bom_before_the_first_line_is_dropped(tmp_path: Path) -> None:
+    from pipeline.data.instruct_pack import write_instruct_splits
+
+    lines = [json.dumps({"prompt": f"q{i}", "response": "a"}) for i in range(4)]
+    path = tmp_path / "my.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())
+    assert [ex.messages[0]["content"] for ex in read_instruct_jsonl(path)] == ["q0", "q1", "q2", "q3"]
+    out = tmp_path / "out"
+    out.mkdir()
+    write_instruct_splits(DataConfig(source="instruct", path=str(path), val_fraction=0.25), out)
+    rows = [r for name in ("train", "val") for r in (out / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert sorted(rows) == sorted(lines)
 
 
 def test_an_empty_response_in_the_users_file_is_named_before_anything_is_written(tmp_path: Path) -> None:

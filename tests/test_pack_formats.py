@@ -133,6 +133,38 @@ def test_text_separators_and_newlines_as_before(tmp_path: Path) -> None:
     assert [d.text for d in load_documents(DataConfig(source="text", path=str(gz)))] == [d.text for d in docs]
 
 
+def test_a_utf8_bom_is_dropped_from_every_source(tmp_path: Path) -> None:
+    """Windows editors start UTF-8 files with a BOM: it is not text (no stray tokens in the first
+    document, JSONL's first line still parses), and an undecodable byte's offset still counts it."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "t.txt").write_bytes(bom + b"first doc\r\n---\r\nsecond\r\n")
+    (tmp_path / "c.jsonl").write_bytes(bom + b'{"text": "a"}\r\n{"text": "b"}\r\n')
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "1.txt").write_bytes(bom + b"one")
+    (tmp_path / "d" / "2.txt").write_bytes(b"two")
+    text = load_documents(DataConfig(source="text", path=str(tmp_path / "t.txt")))
+    jsonl = load_documents(DataConfig(source="jsonl", path=str(tmp_path / "c.jsonl")))
+    folder = load_documents(DataConfig(source="dir", path=str(tmp_path / "d"), glob="*.txt"))
+    assert [d.text for d in text] == ["first doc", "second"]
+    assert [d.text for d in jsonl] == ["a", "b"] and [d.text for d in folder] == ["one", "two"]
+    (tmp_path / "bad.txt").write_bytes(bom + b"ok \xff")
+    with pytest.raises(DataError, match="undecodable bytes at offset 6"):
+        load_documents(DataConfig(source="text", path=str(tmp_path / "bad.txt")))
+
+
+def test_a_lone_surrogate_escape_in_jsonl_names_the_line(tmp_path: Path) -> None:
+    """Valid JSON, but half an emoji is no text: it was a TypeError traceback from the tokenizer."""
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "\\ud83d\\ude00 a whole emoji"}\n{"text": "cut \\ud83d"}\n')
+    with pytest.raises(DataError, match=rf"^{p} line 2: expected valid Unicode text, found a lone surrogate \\ud83d"):
+        load_documents(DataConfig(source="jsonl", path=str(p)))
+    p.write_text('{"text": "\\ud83d\\ude00 a whole emoji"}\n{"text": "b"}\n')
+    assert [d.text for d in load_documents(DataConfig(source="jsonl", path=str(p)))] == [
+        "\U0001f600 a whole emoji",
+        "b",
+    ]
+
+
 def test_undecodable_text_names_the_byte_offset(tmp_path: Path) -> None:
     p = tmp_path / "t.txt"
     p.write_bytes(b"fine line\n---\nok \xff bad\n")

@@ -14,14 +14,14 @@ import torch
 from pipeline.calibrate import CALIBRATION_FILE, Calibration, calibrate, check_student, run_calibration, windows
 from pipeline.config import ModelConfig, RecipeConfig, SubcloneConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, GGUFError, PipelineError
 from pipeline.modeldir import load_model_dir, read_realize
 from pipeline.models.base import TransformerConfig
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.realize import run_realize
 from pipeline.transfer import fit_gain, select_heads, select_layers, subclone
-from tests.conftest import write_tiny_llama_gguf
+from tests.conftest import write_tiny_gguf, write_tiny_llama_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -116,12 +116,12 @@ def test_heads_keep_their_own_kv_group() -> None:
     assert q == (1, 4, 5) and kv == (0, 1, 1)
 
 
-def packed_dir(root: Path) -> Path:
+def packed_dir(root: Path, train: int = 4000, val: int = 600) -> Path:
     rng = np.random.default_rng(2)
     root.mkdir()
-    for split, n in (("train", 4000), ("val", 600)):
+    tokens_ = {"train": train, "val": val}
+    for split, n in tokens_.items():
         write_tokens(root, split, rng.integers(0, VOCAB, n).astype(np.uint16))
-    tokens_ = {"train": 4000, "val": 600}
     write_meta(
         root, PackMeta(VOCAB, "uint16", "t" * 64, "c" * 64, "text", None, None, {"train": 1, "val": 1}, tokens_, VOCAB)
     )
@@ -189,6 +189,56 @@ def test_a_student_that_does_not_fit_fails_in_the_donor_stage_leaving_nothing(
     with pytest.raises(ConfigError, match=needle):
         run_calibration(path, packed, ModelConfig(**shape), SubcloneConfig(calib_tokens=256), tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("train", "calib_seq_len", "needle"),
+    [
+        (
+            4000,
+            129,
+            r"calib_seq_len: expected at most 128 \(the train split has 4000 tokens, the donor's context_length "
+            r"is 128\), found 129; fix: set recipe.subclone.calib_seq_len=128$",
+        ),
+        (100, 200, r"calib_seq_len: expected at most 100 .*found 200; fix: set .*calib_seq_len=100, or pack a larger"),
+    ],
+)
+def test_calibration_windows_that_do_not_fit_the_donor_or_the_split_fail_on_one_line(
+    tmp_path: Path, donor, train: int, calib_seq_len: int, needle: str
+) -> None:
+    """They were a ValueError from the donor's forward, or numpy's "all input arrays must have the same shape"."""
+    _, _, path = donor
+    packed = packed_dir(tmp_path / "packed", train=train)
+    mcfg = ModelConfig(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5)
+    with pytest.raises(ConfigError, match=needle):
+        run_calibration(path, packed, mcfg, SubcloneConfig(calib_seq_len=calib_seq_len), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_donor_of_another_architecture_names_the_recipes_that_take_it(tmp_path: Path) -> None:
+    """It said "expected llama (supported architectures: llama, gpt2, vit), found 'gpt2'"; fix: a supported one."""
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", vocab=VOCAB, width=16, arch="gpt2", model=True)
+    mcfg = ModelConfig(d_model=16, n_layer=1, n_head=2, n_kv_head=2, d_ff=32)
+    with pytest.raises(GGUFError) as err:
+        run_calibration(path, packed_dir(tmp_path / "packed"), mcfg, SubcloneConfig(), tmp_path / "d")
+    assert "general.architecture: expected llama (recipe.init=subclone" in str(err.value)
+    assert "found 'gpt2'; fix: use a llama GGUF as donor.path, or" in str(err.value) and "recipe=warm-start" in str(
+        err.value
+    )
+    assert not (tmp_path / "d").exists()
+
+
+def test_realize_refuses_a_val_split_shorter_than_a_window(tmp_path: Path, donor) -> None:
+    """The step-0 val loss over no window was a ZeroDivisionError."""
+    _, _, path = donor
+    packed = packed_dir(tmp_path / "packed", val=20)
+    settings = SubcloneConfig(calib_tokens=256, calib_seq_len=64, head_fit_tokens=0)
+    mcfg = ModelConfig(d_model=16, n_layer=2, n_head=2, n_kv_head=1, d_ff=24, rope_theta=1e5)
+    run_calibration(path, packed, mcfg, settings, tmp_path / "donor")
+    recipe = RecipeConfig(name="subclone", init="subclone", subclone=settings)
+    with pytest.raises(ConfigError, match=r"train.seq_len: expected at most 19 \(the val split has 20 tokens\)"):
+        run_realize(recipe, mcfg, 0, path, packed, tmp_path / "donor", tmp_path / "init", seq_len=32)
+    assert not (tmp_path / "init").exists()
 
 
 def test_realize_without_calibration_names_the_file(tmp_path: Path, donor) -> None:

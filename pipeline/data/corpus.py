@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import DataConfig
-from pipeline.data.readers import iter_lines, iter_parquet, read_text
+from pipeline.data.readers import iter_lines, iter_parquet, load_json_line, read_text
 from pipeline.errors import DataError, problem
 
 
@@ -152,12 +151,7 @@ def _jsonl(cfg: DataConfig) -> Iterator[Document]:
     for lineno, line in iter_lines(p):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                problem(f"{p} line {lineno}", "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")
-            ) from None
+        obj = load_json_line(line, f"{p} line {lineno}")
         if not isinstance(obj, dict) or not isinstance(obj.get(cfg.text_field), str):
             raise DataError(
                 problem(

@@ -11,7 +11,6 @@ attention (and positions) inside each example (`pipeline.models.base.segment_cau
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 from pipeline.config import DataConfig
 from pipeline.data.instruct_formats import conversation
 from pipeline.data.packed import Packed
+from pipeline.data.readers import load_json_line
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.gguf.chat import render_messages
 from pipeline.gguf.spans import Span, cut, encode_spans, render_spans
@@ -50,7 +50,7 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
     if not p.is_file():
         raise DataError(problem(str(p), "an instruction JSONL file", "no such file", "check data.path"))
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is no part of line 1
     except UnicodeDecodeError as e:
         raise DataError(
             problem(str(p), "UTF-8 text", f"undecodable bytes at {e.start}", "re-encode as UTF-8")
@@ -67,10 +67,7 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
 def parse_example(line: str, where: str) -> Example:
     """One JSONL line (any shape of `pipeline.data.instruct_formats`) as an Example, or a DataError
     saying what is wrong with it."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
+    obj = load_json_line(line, where)
     msgs = conversation(obj, where)
     return _answered(Example(tuple(msgs[:-1]), msgs[-1]["content"], where), _answer_field(obj))
 

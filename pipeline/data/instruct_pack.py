@@ -37,7 +37,7 @@ def write_instruct_splits(data: DataConfig, out_dir: Path) -> dict[str, int]:
     if not data.path:
         return write_pydoc_instruct(out_dir, data.val_fraction, data.split_seed, data.max_chars)
     read_instruct_jsonl(data.path)  # a malformed line is an error naming it, before anything is written
-    lines = [line for line in Path(data.path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in Path(data.path).read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     split = split_examples(lines, data.val_fraction, data.split_seed)
     for name, rows in split.items():
         write_text(Path(out_dir) / f"{name}.jsonl", "".join(r + "\n" for r in rows))

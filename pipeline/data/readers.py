@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +18,8 @@ from pipeline.errors import DataError, one_line, problem
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
+UTF8_BOM = b"\xef\xbb\xbf"  # Windows editors start UTF-8 files with it; it is no part of the text
 
 
 def compression(p: Path) -> str:
@@ -74,8 +78,9 @@ def open_binary(p: Path) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
 
 
 def iter_lines(p: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each line, newline kept, `\\r\\n` and `\\r` read as `\\n` as `read_text`
-    does. Undecodable bytes and corrupt compressed streams end in one named line with the offset."""
+    """(line number, text) of each line, newline kept, `\\r\\n` and `\\r` read as `\\n` and a leading
+    UTF-8 BOM dropped, as `read_text` does. Undecodable bytes and corrupt compressed streams end in one
+    named line with the offset."""
     offset = 0
     with open_binary(p) as (stream, raw_offset):
         lines = iter(stream)
@@ -95,8 +100,15 @@ def iter_lines(p: Path) -> Iterator[tuple[int, str]]:
             if line is None:
                 return
             lineno += 1
-            yield lineno, decode(line, p, offset)
+            body, skip = without_bom(line) if lineno == 1 else (line, 0)
+            yield lineno, decode(body, p, offset + skip)
             offset += len(line)
+
+
+def without_bom(data: bytes) -> tuple[bytes, int]:
+    """`data` without a leading UTF-8 BOM (a Windows editor's mark, not text), and how many bytes went."""
+    skip = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    return data[skip:], skip
 
 
 def decode(data: bytes, p: Path, offset: int = 0) -> str:
@@ -112,6 +124,22 @@ def decode(data: bytes, p: Path, offset: int = 0) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
+def load_json_line(line: str, where: str) -> object:
+    """One JSONL line parsed, or a one-line DataError: invalid JSON, or a lone surrogate escape (half of
+    an emoji cut in two, common in scraped text), which is valid JSON but no text a tokenizer takes."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(problem(where, "a JSON object", f"invalid JSON ({e.msg})", "fix or remove the line")) from None
+    if SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            found = f"a lone surrogate \\u{ord(e.object[e.start]):04x} (half of a UTF-16 pair, e.g. a cut emoji)"
+            raise DataError(problem(where, "valid Unicode text", found, "repair or remove the line")) from None
+    return obj
+
+
 def read_text(p: Path) -> str:
     """A whole (possibly compressed) file as text: one document of a directory source."""
     with open_binary(p) as (stream, _):
@@ -121,7 +149,8 @@ def read_text(p: Path) -> str:
             raise DataError(
                 problem(str(p), "a readable file", f"{type(e).__name__}: {e}", "re-download or recompress the file")
             ) from None
-    return decode(data, p)
+    body, skip = without_bom(data)
+    return decode(body, p, skip)
 
 
 def iter_parquet(p: Path, column: str, batch_rows: int = 1024) -> Iterator[tuple[int, str | None]]:

@@ -212,7 +212,9 @@ def _map(path: Path) -> np.memmap:
         raise GGUFError(problem(str(path), "a GGUF file", "a directory or special file", "check the path"))
     size = path.stat().st_size
     if size < 4:
-        raise GGUFError(problem(str(path), "a GGUF file (magic bytes 'GGUF')", f"{size} bytes", "point at a .gguf"))
+        raise GGUFError(
+            problem(str(path), "a GGUF file (magic bytes 'GGUF')", f"{size} bytes", "point at a .gguf file")
+        )
     return np.memmap(path, mode="r")
 
 
