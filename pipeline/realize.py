@@ -35,6 +35,7 @@ from pipeline.models.llama import Llama
 from pipeline.models.registry import build_model
 from pipeline.models.vit import ViT, ViTConfig
 from pipeline.models.vit_gguf import f32
+from pipeline.training.batches import check_split_fits
 from pipeline.training.validation import validation_loss
 from pipeline.transfer import Selection, fit_gain, subclone, transfer_report
 
@@ -247,7 +248,8 @@ def realize_subclone(
     """Every weight from the donor (pipeline/transfer.py), the fp32 val loss before training, and
     `realize.json` saying what the student kept. Returns the stage metrics."""
     val = load_data(packed_dir, "val")
-    _check_val_window(val, seq_len)
+    if isinstance(val, np.ndarray):  # running text: the step-0 val loss needs one window, as train's does
+        check_split_fits(len(val), "val", 1, seq_len)
     donor, _ = load_llama_donor(Path(donor_path))
     calib = load_calibration(donor, donor_dir)
     vocab = load_meta(packed_dir).vocab_size
@@ -266,19 +268,6 @@ def realize_subclone(
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, realize=record)
     return {**report, "vocab_size": float(vocab)}
-
-
-def _check_val_window(val: object, seq_len: int) -> None:
-    """Running text: the step-0 val loss needs one window of seq_len + 1 tokens (as train's check says)."""
-    if isinstance(val, np.ndarray) and len(val) < seq_len + 1:
-        raise ConfigError(
-            problem(
-                "config key train.seq_len",
-                f"at most {len(val) - 1} (the val split has {len(val)} tokens)",
-                str(seq_len),
-                "lower train.seq_len or pack a larger corpus",
-            )
-        )
 
 
 def _selection_record(sel: Selection) -> dict[str, list]:
