@@ -129,26 +129,32 @@ def windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts]))
 
 
+def check_calib_fits(n_train: int, calib_seq_len: int, context_length: int, model: str, extra: int = 0) -> None:
+    """A one-line ConfigError unless a window of `calib_seq_len + extra` tokens (realize's head fit: one
+    more) fits in the train split's `n_train` tokens and `calib_seq_len` in `model`'s context_length: a
+    small corpus or a long recipe.subclone.calib_seq_len is named, not a numpy or model traceback."""
+    limit = min(n_train - extra, context_length)  # the model sees calib_seq_len tokens of each window
+    if calib_seq_len <= limit:
+        return
+    fix = f"set recipe.subclone.calib_seq_len={limit}" if limit >= 2 else "pack a larger corpus"
+    if 2 <= limit < context_length:
+        fix += ", or pack a larger corpus"
+    raise ConfigError(
+        problem(
+            "config key recipe.subclone.calib_seq_len",
+            f"at most {limit} (the train split has {n_train} tokens, the {model}'s context_length is "
+            f"{context_length}{'; the head fit reads one token more' if extra else ''})",
+            str(calib_seq_len),
+            fix,
+        )
+    )
+
+
 def checked_windows(
     tokens: np.ndarray, n_tokens: int, calib_seq_len: int, context_length: int, model: str, extra: int = 0
 ) -> torch.Tensor:
-    """`windows` of `calib_seq_len + extra` tokens (realize's head fit: one more), after checking that one
-    fits in the train split and in `model`'s context_length: a small corpus or a long
-    recipe.subclone.calib_seq_len is a one-line ConfigError, not a numpy or model traceback."""
-    limit = min(len(tokens) - extra, context_length)  # the model sees calib_seq_len tokens of each window
-    if calib_seq_len > limit:
-        fix = f"set recipe.subclone.calib_seq_len={limit}" if limit >= 2 else "pack a larger corpus"
-        if 2 <= limit < context_length:
-            fix += ", or pack a larger corpus"
-        raise ConfigError(
-            problem(
-                "config key recipe.subclone.calib_seq_len",
-                f"at most {limit} (the train split has {len(tokens)} tokens, the {model}'s context_length is "
-                f"{context_length})",
-                str(calib_seq_len),
-                fix,
-            )
-        )
+    """`windows` of `calib_seq_len + extra` tokens, after `check_calib_fits`."""
+    check_calib_fits(len(tokens), calib_seq_len, context_length, model, extra)
     return windows(tokens, n_tokens, calib_seq_len + extra)
 
 
@@ -306,6 +312,8 @@ def run_calibration(
     d_model = student.d_model
     train = load_split(packed_dir, "train")
     ids = checked_windows(train, settings.calib_tokens, settings.calib_seq_len, donor.cfg.context_length, "donor")
+    if settings.head_fit_tokens:  # realize's head fit: fail here, not one stage later
+        check_calib_fits(len(train), settings.calib_seq_len, student.context_length, "student", extra=1)
     start = time.perf_counter()
     calib = calibrate(donor, ids, settings.outlier_factor)
     seconds = time.perf_counter() - start

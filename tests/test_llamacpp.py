@@ -253,3 +253,18 @@ def test_llamacpp_applies_our_rope_freq_factors(smollm2: GGUFFile, tmp_path: Pat
         results[name] = (ours, theirs)
         assert (ours - theirs).abs().max().item() < 2e-2, name
     assert (results["plain"][0] - results["scaled"][0]).abs().max().item() > 0.1
+
+
+def test_an_export_of_a_donor_spelling_gpt2_without_the_dash_loads_in_llamacpp(tmp_path: Path) -> None:
+    """We read `tokenizer.ggml.pre = gpt2` as llama.cpp's `gpt-2`; copied verbatim into the export, it made
+    llama.cpp refuse the file ("unknown pre-tokenizer type"), after training, at evaluate."""
+    from tests.conftest import write_tiny_gguf
+
+    donor = GGUFFile(write_tiny_gguf(tmp_path / "donor.gguf", vocab=64, width=32, model=True))
+    assert donor.metadata["tokenizer.ggml.pre"] == "gpt2"
+    model = load_llama(donor)[0].eval()
+    path = export_llama(model, tmp_path / "export.gguf", donor_tokenizer_metadata(donor), {}, "f32")
+    assert GGUFFile(path).metadata["tokenizer.ggml.pre"] == "gpt-2"
+    text = " the rain in spain, on the plain!"
+    ours = tokenizer_from_gguf(GGUFFile(path)).encode(text)
+    assert open_llama(path, 32).tokenize(text.encode(), add_bos=False, special=True) == ours

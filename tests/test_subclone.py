@@ -201,6 +201,12 @@ def test_a_student_that_does_not_fit_fails_in_the_donor_stage_leaving_nothing(
             r"is 128\), found 129; fix: set recipe.subclone.calib_seq_len=128$",
         ),
         (100, 200, r"calib_seq_len: expected at most 100 .*found 200; fix: set .*calib_seq_len=100, or pack a larger"),
+        (  # the donor fits one window of 100 but realize's head fit needs 101: refused here, not a stage later
+            100,
+            100,
+            r"calib_seq_len: expected at most 99 \(.*the head fit reads one token more\), found 100; fix: set "
+            r"recipe.subclone.calib_seq_len=99, or pack a larger corpus$",
+        ),
     ],
 )
 def test_calibration_windows_that_do_not_fit_the_donor_or_the_split_fail_on_one_line(

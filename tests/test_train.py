@@ -87,6 +87,12 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
     assert len(opt.state) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def test_a_split_with_no_window_is_a_named_error_not_a_division_by_zero() -> None:
+    model = realize(TINY, "scratch", 64, 0)
+    with pytest.raises(ValueError, match=r"32 tokens hold no window of seq_len=32"):
+        evaluate_loss(model, np.arange(32, dtype=np.uint16), 32, 8, torch.device("cpu"))
+
+
 def test_training_is_reproducible(packed) -> None:
     train_ids, val_ids = packed
     tcfg = TrainConfig(steps=4, batch_size=2, seq_len=16, eval_every=4, log_every=1, precision="fp32")

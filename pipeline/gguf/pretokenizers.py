@@ -42,7 +42,10 @@ _PRE_LLAMA3_MERGING = PreTokenizer((_LLAMA3_RE,))
 _PRE_DIGITS_GPT2 = PreTokenizer((r"\p{N}", _GPT2_RE))
 _PRE_QWEN2 = PreTokenizer((_QWEN2_RE,))
 
-# `tokenizer.ggml.pre` values, spelled as llama.cpp spells them (plus `gpt2`, an alias of `gpt-2`).
+# Names we read that llama.cpp does not: an export writes llama.cpp's spelling so that llama.cpp loads it.
+LLAMA_CPP_SPELLING = {"gpt2": "gpt-2"}
+
+# `tokenizer.ggml.pre` values, spelled as llama.cpp spells them (plus the aliases above).
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "default": _PRE_DEFAULT,
     "gpt-2": _PRE_GPT2,

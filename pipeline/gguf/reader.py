@@ -13,7 +13,7 @@ import importlib.metadata
 import math
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.header import Field, HeaderTensor, parse_header, tensor_bytes
+from pipeline.gguf.pretokenizers import LLAMA_CPP_SPELLING
 
 MAX_INT = 2**31 - 1  # hyperparameters are int32 in llama.cpp; a larger size is a forged or corrupt key
 _TYPED = {  # ggml types read as numpy arrays of their own dtype (the rest as raw bytes, dequantized)
@@ -221,4 +222,8 @@ def _map(path: Path) -> np.memmap:
 def donor_tokenizer_metadata(donor: GGUFFile) -> dict[str, TypedValue]:
     """Every `tokenizer.*` key of a GGUF with its exact GGUF type, to copy into an export so the
     export tokenizes exactly like its donor."""
-    return {k: donor.typed_field(k) for k in donor.metadata if k.startswith("tokenizer.")}
+    meta = {k: donor.typed_field(k) for k in donor.metadata if k.startswith("tokenizer.")}
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is not None and pre.value in LLAMA_CPP_SPELLING:  # llama.cpp refuses the alias as unknown
+        meta["tokenizer.ggml.pre"] = replace(pre, value=LLAMA_CPP_SPELLING[pre.value])
+    return meta

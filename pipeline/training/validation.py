@@ -39,6 +39,8 @@ def evaluate_loss(model: nn.Module, data: np.ndarray, seq_len: int, batch_size: 
     was_training = model.training
     model.eval()
     n = (len(data) - 1) // seq_len
+    if n < 1:  # the stages refuse this first (training.batches.check_split_fits): a caller's bug, named
+        raise ValueError(f"evaluate_loss: {len(data)} tokens hold no window of seq_len={seq_len} plus its target")
     tokens = np.asarray(data[: n * seq_len + 1], dtype=np.int64)
     x_all = torch.from_numpy(tokens[:-1].reshape(n, seq_len))
     y_all = torch.from_numpy(tokens[1:].reshape(n, seq_len))
