@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from pipeline.config import PipelineConfig
 from pipeline.tracking import Run, Tracker, default_tracking_uri
@@ -82,13 +84,23 @@ def _short(override: str) -> str:
     return f"{key.lstrip('+~').rsplit('.', 1)[-1]}={value}"
 
 
+def sweep_overrides(sweep_dir: Path) -> str | None:
+    """The sweep's command-line overrides as typed (`optim.lr=1e-3,3e-4`), from the `multirun.yaml`
+    Hydra's sweeper writes before the first job; None where a sweeper writes none."""
+    try:
+        task = OmegaConf.select(OmegaConf.load(sweep_dir / "multirun.yaml"), "hydra.overrides.task", default=None)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return " ".join(str(o) for o in task) if task else None
+
+
 def group(stage: str, commit: str | None) -> tuple[Group | None, str]:
     """The parent group of this run (or None) and the run's own name."""
     sweep = sweep_job()
     if sweep is not None:
         sweep_dir, label = sweep
         sweep_id = hashlib.sha256(sweep_dir.encode()).hexdigest()[:12]
-        tags = {"stage": stage, "sweep_dir": sweep_dir}
+        tags = {"stage": stage, "sweep_dir": sweep_dir, "sweep_overrides": sweep_overrides(Path(sweep_dir))}
         return Group("sweep_id", sweep_id, f"sweep-{stage}-{sweep_id}", tags), f"{label}/{stage}"
     pid = dvc_process_id()
     if pid is None:
@@ -131,7 +143,9 @@ def open_run(
         parent_tags = {**common, **grp.tags}
         if grp.key_tag == "pipeline_id":
             parent_tags["mlflow.source.name"] = "dvc"
-        parent = tracker.parent(grp.key_tag, grp.key, grp.name, parent_tags, resolved)
+        # a sweep's jobs differ in config, so its parent holds the overrides (a tag), not one job's params
+        params = None if grp.key_tag == "sweep_id" else resolved
+        parent = tracker.parent(grp.key_tag, grp.key, grp.name, parent_tags, params)
     if resume_id is not None and tracker.exists(resume_id):
         run = tracker.resume(resume_id)  # params were logged when it started
         run.set_tags({"resumed": "true"})

@@ -111,6 +111,8 @@ def test_hydra_multirun_sweep_logs_grouped_runs(project: Path, first_repro: str)
     assert len(children) == 2 and len(parents) == 1
     assert {r.data.params["optim.lr"] for r in children} == {"0.001", "0.0003"}
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    # the parent holds the sweep as typed, not the first job's config (it said optim.lr=0.001)
+    assert parents[0].data.tags["sweep_overrides"] == "optim.lr=1e-3,3e-4" and not parents[0].data.params
 
 
 def test_repro_is_one_parent_run_with_a_child_per_stage(project: Path, first_repro: str) -> None:
