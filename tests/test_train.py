@@ -17,11 +17,12 @@ import torch
 
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.errors import ConfigError
+from pipeline.models.varlen import PackedRows
 from pipeline.realize import realize
 from pipeline.training.batches import BatchSampler
 from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
-from pipeline.training.runtime import HeapGuard, keep_freed_memory, resident_bytes, trim_freed_memory
+from pipeline.training.runtime import HeapGuard, compile_blocks, keep_freed_memory, resident_bytes, trim_freed_memory
 from pipeline.training.validation import evaluate_loss
 from stages.train import PLOT_COLUMNS, metrics, plot_table
 
@@ -223,6 +224,31 @@ def test_compiled_blocks_train_like_eager(packed) -> None:
         )  # fmt: skip
         runs.append([h["train_loss"] for h in result.history])
     assert runs[1] == pytest.approx(runs[0], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_on_packed_rows_match_eager() -> None:
+    """Packed rows' per-example attention runs eager inside compiled blocks (`keep_attend_eager`)."""
+    seg = torch.tensor([[1] * 10 + [2] * 6 + [0] * 16, [1] * 20 + [2] * 12])
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        model = realize(TINY, "scratch", 64, 0)
+        if compiled:
+            compile_blocks(model)
+        loss = model.loss(x, x.roll(-1, 1), seg)
+        loss.backward()
+        results.append((loss.detach(), model.blocks[0].attn.wq.weight.grad))
+    assert PackedRows.attend._torchdynamo_disable  # wrapped by compile_blocks
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_stages_start_without_importing_dynamo() -> None:
+    """torch._dynamo costs ~1.5 s to import; only compiling or building an optimizer needs it."""
+    stages = "stages.pack, stages.export, stages.evaluate, stages.generate"
+    code = f"import sys, {stages}; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
 
 
 def test_lbfgs_reduces_the_loss(packed) -> None:

@@ -70,7 +70,6 @@ class PackedRows:
         keep = self.keep if t.device == self.keep.device else self._host_keep.to(t.device)
         return t.flatten(0, 1).index_select(0, keep)
 
-    @torch.compiler.disable  # a loop over this batch's buckets: compiled blocks call it as it is
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(1, H, N, D) queries, (1, KV, N, D) keys/values -> (1, H, N, D), each example causal alone."""
         q, k, v = (z[0].transpose(0, 1) for z in (q, k, v))  # (N, heads, D)
@@ -82,6 +81,17 @@ class PackedRows:
             outs.append(y.transpose(1, 2).reshape(s * length, *y.shape[1:2], y.shape[3]).index_select(0, b.scatter))
         out = torch.cat(outs).index_select(0, self.inverse) if len(outs) > 1 else outs[0]
         return out.transpose(0, 1).unsqueeze(0)
+
+
+_PLAIN_ATTEND = PackedRows.attend
+
+
+def keep_attend_eager() -> None:
+    """`torch.compiler.disable` on `PackedRows.attend` (a loop over this batch's buckets: compiled
+    blocks call it as it is). `compile_blocks` applies it, not a decorator: that would import
+    torch._dynamo, ~1.5 s, at the start of every stage and of `generate`."""
+    if PackedRows.attend is _PLAIN_ATTEND:
+        PackedRows.attend = torch.compiler.disable(_PLAIN_ATTEND)
 
 
 def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, positions: torch.Tensor) -> list:

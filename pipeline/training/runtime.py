@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from pipeline.config import TrainConfig
 from pipeline.errors import ConfigError, PipelineError, problem
 from pipeline.models.fused import use_fused_kernels
+from pipeline.models.varlen import keep_attend_eager
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ def compile_blocks(model: nn.Module) -> None:
 
     Static shapes first; a second shape (packed rows: the real tokens' count varies by batch) makes
     that dimension dynamic instead of compiling once per count."""
+    keep_attend_eager()
     for block in getattr(model, "blocks", []):
         block.compile(dynamic=None)
 
