@@ -395,6 +395,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, overrides: list[st
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), stderr
 
 
+@pytest.mark.parametrize("tool", ["generate", "chat"])
+def test_help_shows_the_tools_own_keys_not_the_pipelines_groups(tool: str) -> None:
+    """Hydra's default help listed conf/'s groups (data, model, preset...), which neither tool reads."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"stages.{tool}", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"Usage: python -m stages.{tool} model_path=" in out.stdout and "model_path: ???" in out.stdout
+    assert "Configuration groups" not in out.stdout and "preset:" not in out.stdout
+
+
 def test_free_text_prompts_come_from_a_file_or_stdin(tmp_path, monkeypatch) -> None:
     text = 'Hello, world! "quoted" {braces} = [brackets]\nsecond line'
     (tmp_path / "p.txt").write_text(text + "\n")
