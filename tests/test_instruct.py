@@ -90,7 +90,9 @@ def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
         ),
         ('["a", "b"]', r"line 2: expected an object with string \"prompt\".*found list"),
         ('{"prompt": "q"}', r"line 2: expected an object.*found keys \['prompt'\]"),
-        ('{"prompt": "q", "response": 3}', r"line 2: .*found keys \['prompt', 'response'\]"),
+        ('{"prompt": "q", "response": 3}', r"line 2: .*found \"response\" of type int \(3\); fix"),
+        ('{"prompt": ["q"], "completion": "a"}', r'line 2: .*found "prompt" of type list \(\["q"\]\); fix'),
+        ('{"instruction": "q", "input": 3, "output": "a"}', r'line 2: expected Alpaca string "instruction"'),
         ('{"messages": [{"role": "user", "content": "hi"}]}', r"line 2: expected messages: a list of >= 2"),
         (
             '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
