@@ -84,6 +84,24 @@ def test_wrong_types_name_key_expected_found_and_fix(override: str, expected: st
     assert "?" not in str(err.value) and "could not be converted" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["data.path=my.jsonl"],
+        ["recipe=vit-tiny", "data.path=pets/"],
+        ["data=mix", "data.sources=[{source: pydoc, path: my.jsonl, weight: 1}]"],
+    ],
+)
+def test_a_path_for_a_source_that_reads_none_is_refused(overrides: list[str]) -> None:
+    """`dvc exp run -S data.path=my.jsonl` without `-S data=jsonl` (or preset=lora) packed the built-in pydoc
+    corpus while the inputs stage hashed my.jsonl: the run trained on other data than its record said."""
+    with pytest.raises(ConfigError) as err:
+        typed_config(compose_config(overrides))
+    message = str(err.value)
+    assert re.match(r"config key data\.(path|sources\[0\]\.path): expected no path for (data\.)?source", message)
+    assert "my.jsonl" in message or "pets/" in message
+
+
 def test_recipes_select_the_init() -> None:
     assert typed_config(compose_config(["recipe=from-scratch"])).recipe.init == "scratch"
     assert typed_config(compose_config(["recipe=pca-lens"])).recipe.init == "lens"
