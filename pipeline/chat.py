@@ -91,6 +91,25 @@ class ChatSession:
         self.reset()
         self.stop_ids = default_stop_ids(self.tok, chat=True)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        self._check_system()
+
+    def _check_system(self) -> None:
+        """A system message that leaves no room for a message and an answer is refused at the start, by
+        name: otherwise every message, however short, was refused as too long."""
+        if not self.system:
+            return
+        ctx = self.model.cfg.context_length
+        used = len(self.prompt_ids([*self.messages, {"role": "user", "content": ""}]))
+        if used + self.max_new_tokens >= ctx:
+            raise ConfigError(
+                problem(
+                    "system",
+                    f"a system message that leaves room for a message: the rendered system turn and max_new_tokens="
+                    f"{self.max_new_tokens} below the model's context_length={ctx}",
+                    f"{used} tokens before any message",
+                    "shorten system (or leave it out), or lower max_new_tokens",
+                )
+            )
 
     def reset(self) -> None:
         """Forget the conversation and the cache."""

@@ -42,6 +42,7 @@ def load_for_generation(
             )
         )
     try:
+        refuse_adapter(path, model_path)
         if path.is_dir():  # a fine-tune (base + adapters) brings its base's tokenizer
             model = load_model_dir(path)
             g = GGUFFile(read_spec(path).base if is_finetune_dir(path) else resolve_gguf_path(tokenizer_gguf))
@@ -64,6 +65,24 @@ def load_for_generation(
     if lora:
         apply_adapter(model, read_adapter(Path(lora).expanduser(), model))
     return model, tok, g.metadata
+
+
+def refuse_adapter(path: Path, model_path: str) -> None:
+    """A LoRA adapter given as the model (`model_path=models/export/adapter.gguf` or `.../peft`) is named as
+    one, with the `lora=` it belongs in: loading it as a model said a metadata key or config.json was missing."""
+    if path.is_dir():
+        adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+    else:
+        adapter = GGUFFile(path).metadata.get("general.type") == "adapter"
+    if adapter:
+        raise ConfigError(
+            problem(
+                f"model_path={model_path}",
+                "a model (a GGUF or a model directory)",
+                "a LoRA adapter, which holds no base weights",
+                f"give the base as model_path and this as lora, e.g. model_path=smollm2 lora={model_path}",
+            )
+        )
 
 
 def read_adapter(path: Path, model: nn.Module) -> Adapter:

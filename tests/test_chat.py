@@ -97,6 +97,19 @@ def test_reset_and_a_full_context_drop_the_oldest_turns(session_parts: tuple) ->
     assert stats.reused_tokens == 0
 
 
+def test_a_system_message_with_no_room_left_is_refused_at_the_start(session_parts: tuple) -> None:
+    """A system message filling the context made every message, even "hi", "a prompt of at most 125 tokens,
+    found 140; fix: send a shorter message": the session could answer nothing and blamed the user's line."""
+    model, tok, template = session_parts
+    with pytest.raises(ConfigError) as err:
+        ChatSession(model, tok, template, Sampling(), max_new_tokens=3, system="a" * 130)
+    message = str(err.value)
+    assert message.startswith("system: expected a system message that leaves room for a message")
+    assert "context_length=128" in message and "fix: shorten system" in message and "\n" not in message
+    fits = ChatSession(model, tok, template, Sampling(), max_new_tokens=3, system="a" * 90)
+    assert fits.turn("b")[1].prompt_tokens <= 125  # a system message that leaves room still chats
+
+
 def test_max_new_tokens_over_half_the_context_is_capped_with_one_line(
     chat_files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

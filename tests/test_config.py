@@ -64,6 +64,44 @@ def test_bad_values_are_rejected_naming_the_key(overrides: list[str], key: str) 
     assert message.startswith((key, f"config key {key}")) and "\n" not in message  # one line, the key first
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.steps=abc", "config key train.steps: expected an integer, found 'abc'; fix: set train.steps to"),
+        ("optim.lr=fast", "config key optim.lr: expected a number, found 'fast'; fix: set optim.lr to a number, e.g."),
+        ("train.compile=maybe", "config key train.compile: expected true or false, found 'maybe'"),
+        ("train.steps=null", "config key train.steps: expected an integer, found null"),
+        ("recipe.lora.targets=q", "config key recipe.lora.targets: expected a list, found 'q'; fix: write it in"),
+        ("train.distill=0.5", "config key train.distill: expected a group of keys (weight, temperature, top_k,"),
+    ],
+)
+def test_wrong_types_name_key_expected_found_and_fix(override: str, expected: str) -> None:
+    """`dvc exp run -S train.steps=abc` (or `train.distill=0.5`, a group given one value) is one line with the
+    key, the type wanted, the value given and an example; a group given a value used to read `config key ?`."""
+    with pytest.raises(ConfigError) as err:
+        typed_config(compose_config([override]))
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    assert "?" not in str(err.value) and "could not be converted" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["data.path=my.jsonl"],
+        ["recipe=vit-tiny", "data.path=pets/"],
+        ["data=mix", "data.sources=[{source: pydoc, path: my.jsonl, weight: 1}]"],
+    ],
+)
+def test_a_path_for_a_source_that_reads_none_is_refused(overrides: list[str]) -> None:
+    """`dvc exp run -S data.path=my.jsonl` without `-S data=jsonl` (or preset=lora) packed the built-in pydoc
+    corpus while the inputs stage hashed my.jsonl: the run trained on other data than its record said."""
+    with pytest.raises(ConfigError) as err:
+        typed_config(compose_config(overrides))
+    message = str(err.value)
+    assert re.match(r"config key data\.(path|sources\[0\]\.path): expected no path for (data\.)?source", message)
+    assert "my.jsonl" in message or "pets/" in message
+
+
 def test_recipes_select_the_init() -> None:
     assert typed_config(compose_config(["recipe=from-scratch"])).recipe.init == "scratch"
     assert typed_config(compose_config(["recipe=pca-lens"])).recipe.init == "lens"

@@ -416,3 +416,27 @@ def test_free_text_prompts_come_from_a_file_or_stdin(tmp_path, monkeypatch) -> N
         with_prompt(GenerateConfig(model_path="m", prompt_file=str(tmp_path / "nope.txt")))
     with pytest.raises(PipelineError, match="prompt / prompt_file: expected one of them, found 'both'"):
         GenerateConfig(model_path="m", prompt="a", prompt_file="b")
+
+
+def test_an_adapter_given_as_the_model_is_named_with_the_lora_fix(tmp_path: Path) -> None:
+    """`model_path=models/export/adapter.gguf` said 'expected metadata key llama.embedding_length, found it is
+    missing; fix: use a complete GGUF', and `model_path=models/export/peft` 'peft/config.json: expected a saved
+    model file; fix: run the stage that writes it'; both are adapters, whose place is `lora=`."""
+    import numpy as np
+
+    from pipeline.gguf.writer import write_gguf
+
+    gguf = tmp_path / "adapter.gguf"
+    a, b = np.zeros((8, 16), np.float32), np.zeros((16, 8), np.float32)
+    tensors = {"blk.0.attn_q.weight.lora_a": a, "blk.0.attn_q.weight.lora_b": b}
+    write_gguf(gguf, "llama", {"general.type": "adapter", "adapter.type": "lora"}, tensors, dtype="f32")
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    for path in (gguf, peft):
+        with pytest.raises(ConfigError) as err:
+            load_for_generation(str(path))
+        assert str(err.value) == (
+            f"model_path={path}: expected a model (a GGUF or a model directory), found a LoRA adapter, which holds "
+            f"no base weights; fix: give the base as model_path and this as lora, e.g. model_path=smollm2 lora={path}"
+        )

@@ -90,7 +90,9 @@ def test_reads_both_formats_and_skips_blank_lines(tmp_path: Path) -> None:
         ),
         ('["a", "b"]', r"line 2: expected an object with string \"prompt\".*found list"),
         ('{"prompt": "q"}', r"line 2: expected an object.*found keys \['prompt'\]"),
-        ('{"prompt": "q", "response": 3}', r"line 2: .*found keys \['prompt', 'response'\]"),
+        ('{"prompt": "q", "response": 3}', r"line 2: .*found \"response\" of type int \(3\); fix"),
+        ('{"prompt": ["q"], "completion": "a"}', r'line 2: .*found "prompt" of type list \(\["q"\]\); fix'),
+        ('{"instruction": "q", "input": 3, "output": "a"}', r'line 2: expected Alpaca string "instruction"'),
         ('{"messages": [{"role": "user", "content": "hi"}]}', r"line 2: expected messages: a list of >= 2"),
         (
             '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
@@ -109,6 +111,36 @@ def test_malformed_line_is_named_with_its_number(tmp_path: Path, line: str, patt
     with pytest.raises(DataError, match=pattern) as info:
         read_instruct_jsonl(path)
     assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_gzip_and_unicode_line_separators_read_like_a_jsonl_corpus(tmp_path: Path) -> None:
+    """A `.jsonl.gz` (as `data=jsonl` reads) was 'undecodable bytes at 1; re-encode as UTF-8', and a raw
+    U+2028 inside a JSON string (json.dumps(ensure_ascii=False) writes it so) cut its line in two."""
+    import gzip
+
+    from pipeline.data.instruct_pack import write_instruct_splits
+
+    lines = [json.dumps({"prompt": f"q{i}\u2028more", "response": "a\x85b"}, ensure_ascii=False) for i in range(4)]
+    plain = write_lines(tmp_path / "my.jsonl", lines)
+    packed = tmp_path / "my.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        got = read_instruct_jsonl(path)
+        assert [e.messages[0]["content"] for e in got] == [f"q{i}\u2028more" for i in range(4)]
+        assert got[3].where.endswith("line 4") and got[0].response == "a\x85b"
+    out = tmp_path / "out"
+    out.mkdir()
+    write_instruct_splits(DataConfig(source="instruct", path=str(packed), val_fraction=0.25), out)
+    rows = [r for name in ("train", "val") for r in (out / f"{name}.jsonl").read_text(encoding="utf-8").split("\n")]
+    assert sorted(r for r in rows if r) == sorted(lines)
+
+
+def test_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    """data.path at a folder said 'found no such file' about a folder that plainly exists."""
+    with pytest.raises(DataError, match=r"expected an instruction JSONL file, found a directory; fix: point data.path"):
+        read_instruct_jsonl(tmp_path)
+    with pytest.raises(DataError, match=r"found no such file; fix: check data.path"):
+        read_instruct_jsonl(tmp_path / "nope.jsonl")
 
 
 def test_a_utf8_bom_before_the_first_line_is_dropped(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ def user(text: str) -> dict[str, str]:
         ({"prompt": "2+2?", "completion": "4"}, [user("2+2?")], "4"),
         ({"instruction": "Add.", "input": "2 and 2", "output": "4"}, [user("Add.\n\n2 and 2")], "4"),
         ({"instruction": "Say hi.", "input": "", "output": "hi"}, [user("Say hi.")], "hi"),
+        ({"instruction": "Say hi.", "input": None, "output": "hi"}, [user("Say hi.")], "hi"),  # pandas' null
         (
             {
                 "conversations": [
@@ -70,7 +71,8 @@ def test_every_shape_is_one_conversation(obj: dict, messages: list, response: st
         ({"conversations": [{"from": "human", "value": "Q"}, {"from": "bot", "value": "A"}]}, "ShareGPT 'from'"),
         ({"conversations": [{"from": "human", "value": "Q"}]}, "conversations: >= 2"),
         ({"instruction": "x", "input": 3, "output": "y"}, "Alpaca string"),
-        ({"prompt": "q", "completion": 4}, "found keys ['completion', 'prompt']"),
+        ({"prompt": "q", "completion": 4}, 'found "completion" of type int (4)'),
+        ({"prompt": "q", "answer": "a"}, "found keys ['answer', 'prompt']"),
         ({"conversations": [{"from": "gpt", "value": "A"}, {"from": "human", "value": "Q"}]}, "role 'assistant'"),
     ],
 )

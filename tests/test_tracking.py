@@ -102,3 +102,31 @@ def test_the_store_of_a_queued_experiment_is_the_projects(tmp_path: Path, monkey
 )
 def test_artifacts_are_placed_by_us_only_for_local_stores(uri: str, local: bool) -> None:
     assert is_local_store(uri) is local
+
+
+@pytest.mark.parametrize("port", ["taken", "abc", "70000"])
+def test_mlflow_ui_refuses_a_taken_or_bad_port_in_one_line(tmp_path: Path, port: str) -> None:
+    """`make mlflow-ui` on a port another server holds printed `open http://127.0.0.1:<port>/...` (that other
+    server's page) and `mlflow ui` then logged "Address already in use" and exited 0; a port that is no
+    number ended in mlflow's usage text or a traceback. Now: one `error:` line, exit 2, no URL."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        arg = str(busy.getsockname()[1]) if port == "taken" else port
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        env["PYTHONPATH"] = str(ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "stages.mlflow_ui", arg], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: port {arg if port == 'taken' else repr(arg)}")
+    assert ("it is taken" in lines[0]) == (port == "taken") and "fix: " in lines[0]
+    assert not (tmp_path / "mlflow.db").exists()

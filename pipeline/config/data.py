@@ -10,6 +10,7 @@ from pipeline.config.checks import check, choice, integer, positive
 IMAGE_SOURCES = ("digits", "images")  # labelled images (the ViT recipe), not text
 SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct", "mix", "digits", "images")
 MIX_SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet")
+BUILT_IN_READS = {"pydoc": "CPython's pydoc_data.topics", "mix": "data.sources", "digits": "scikit-learn's digits"}
 MIX_STOPS = ("first_exhausted", "all_exhausted")
 TEMPLATES = ("auto", "chat", "plain")
 # How a pack is made, not what it holds: left out of the packed meta's data record, so a merged
@@ -77,6 +78,16 @@ class DataConfig:
             self.path,
             "set data.path=/path/to/corpus",
         )
+        # pack ignores data.path for these, while the inputs stage hashed the file: `-S data.path=my.jsonl`
+        # without `-S data=jsonl` (or preset=lora) trained on the built-in corpus and recorded the user's file
+        check(
+            self.source not in ("pydoc", "mix", "digits") or not self.path,
+            "data.path",
+            f"no path for data.source={self.source}, which reads {BUILT_IN_READS.get(self.source)}",
+            self.path,
+            "pick the source that reads the file: data=jsonl (or text, dir, parquet; instruct or preset=lora for "
+            "instruction data; images for a folder of images) with data.path, or leave data.path empty",
+        )
         check(
             0.0 < self.val_fraction < 1.0,
             "data.val_fraction",
@@ -118,11 +129,13 @@ class DataConfig:
             key = f"data.sources[{i}]"
             choice(s.source, f"{key}.source", MIX_SOURCES)
             check(
-                s.source == "pydoc" or bool(s.path),
+                (s.source == "pydoc") != bool(s.path),
                 f"{key}.path",
-                "a file or directory",
+                "no path for source pydoc (the built-in corpus)" if s.source == "pydoc" else "a file or directory",
                 s.path,
-                f"set data.sources.{i}.path=... (or list data.sources in full)",
+                f"set data.sources.{i}.path=... (or list data.sources in full)"
+                if s.source != "pydoc"
+                else "give the entry the source that reads the file (jsonl, text, dir, parquet), or no path",
             )
             ok = isinstance(s.weight, (int, float)) and math.isfinite(s.weight) and s.weight >= 0
             check(ok, f"{key}.weight", "a finite weight >= 0", s.weight, "use e.g. 0.7 (weights are normalized)")

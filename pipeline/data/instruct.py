@@ -21,7 +21,7 @@ import numpy as np
 from pipeline.config import DataConfig
 from pipeline.data.instruct_formats import conversation
 from pipeline.data.packed import Packed
-from pipeline.data.readers import load_json_line
+from pipeline.data.readers import iter_lines, load_json_line
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.gguf.chat import render_messages
 from pipeline.gguf.spans import Span, cut, encode_spans, render_spans
@@ -47,21 +47,21 @@ def read_instruct_jsonl(path: str | os.PathLike[str]) -> list[Example]:
     Blank lines are allowed; any other malformed line is an error naming its line number.
     """
     p = Path(path)
-    if not p.is_file():
-        raise DataError(problem(str(p), "an instruction JSONL file", "no such file", "check data.path"))
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is no part of line 1
-    except UnicodeDecodeError as e:
-        raise DataError(
-            problem(str(p), "UTF-8 text", f"undecodable bytes at {e.start}", "re-encode as UTF-8")
-        ) from None
-    examples = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            examples.append(parse_example(line, f"{p} line {lineno}"))
+    examples = [parse_example(line, f"{p} line {lineno}") for lineno, line in instruct_lines(p)]
     if not examples:
         raise DataError(problem(str(p), "at least one example", "none", "write one JSON object per line"))
     return examples
+
+
+def instruct_lines(p: Path) -> list[tuple[int, str]]:
+    """(line number, text) of the file's non-blank lines, read as pack reads a JSONL corpus (gzip or zstd by
+    the first bytes, a BOM dropped, `\\r\\n` as `\\n`): a `.jsonl.gz` is data, not undecodable bytes."""
+    if not p.exists():
+        raise DataError(problem(str(p), "an instruction JSONL file", "no such file", "check data.path"))
+    if not p.is_file():
+        fix = "point data.path at one JSONL file (e.g. cat dir/*.jsonl > all.jsonl)"
+        raise DataError(problem(str(p), "an instruction JSONL file", "a directory", fix))
+    return [(n, line.rstrip("\n")) for n, line in iter_lines(p) if line.strip()]
 
 
 def parse_example(line: str, where: str) -> Example:

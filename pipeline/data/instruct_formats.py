@@ -5,6 +5,7 @@ with the assistant's answer): `{"prompt","response"}`, TRL's `{"prompt","complet
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline.errors import DataError, problem
@@ -30,13 +31,24 @@ def conversation(obj: Any, where: str) -> list[dict[str, str]]:
     else:
         answer = obj.get("response", obj.get("completion"))
         if not isinstance(obj.get("prompt"), str) or not isinstance(answer, str):
-            raise DataError(problem(where, SHAPE, f"keys {sorted(obj)}", "fix or remove the line"))
+            raise DataError(problem(where, SHAPE, _found(obj), "fix or remove the line"))
         msgs = [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": answer}]
     if msgs[-1]["role"] != "assistant":
         raise DataError(
             problem(where, "the last message from role 'assistant'", repr(msgs[-1]["role"]), "end with the answer")
         )
     return msgs
+
+
+def _found(obj: dict[str, Any]) -> str:
+    """What a prompt/response line holds: the fields that are there but not text (`"response": 3`), else its keys."""
+    present = [k for k in ("prompt", "response", "completion") if k in obj]
+    wrong = [
+        f'"{k}" of type {type(obj[k]).__name__} ({json.dumps(obj[k])[:40]})'
+        for k in present
+        if not isinstance(obj[k], str)
+    ]
+    return ", ".join(wrong) if "prompt" in obj and len(present) > 1 and wrong else f"keys {sorted(obj)}"
 
 
 def _checked(turns: Any, where: str, role: str, content: str, expected: str) -> list[dict[str, str]]:
@@ -58,8 +70,10 @@ def _sharegpt(turn: dict[str, str], where: str) -> dict[str, str]:
 
 
 def _alpaca(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
-    """Alpaca: the instruction, then its input (when non-empty) after a blank line, as the user's turn."""
-    parts = [obj.get("instruction"), obj.get("input", ""), obj.get("output")]
+    """Alpaca: the instruction, then its input (when non-empty) after a blank line, as the user's turn. A null
+    input (what pandas and many exports write for a missing one) is no input."""
+    extra = obj.get("input")
+    parts = [obj.get("instruction"), "" if extra is None else extra, obj.get("output")]
     if not all(isinstance(p, str) for p in parts):
         expected = 'Alpaca string "instruction", "input", "output"'
         raise DataError(problem(where, expected, repr(obj)[:80], "fix the line"))

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import DataConfig
-from pipeline.data.instruct import build_instruct, read_instruct_jsonl
+from pipeline.data.instruct import build_instruct, instruct_lines, read_instruct_jsonl
 from pipeline.data.packed import SPLITS, Packed, PackMeta, save_rows, write_meta
 from pipeline.data.pydoc_qa import write_pydoc_instruct
 from pipeline.data.split import split_indices
@@ -37,7 +37,7 @@ def write_instruct_splits(data: DataConfig, out_dir: Path) -> dict[str, int]:
     if not data.path:
         return write_pydoc_instruct(out_dir, data.val_fraction, data.split_seed, data.max_chars)
     read_instruct_jsonl(data.path)  # a malformed line is an error naming it, before anything is written
-    lines = [line for line in Path(data.path).read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    lines = [line for _, line in instruct_lines(Path(data.path))]
     split = split_examples(lines, data.val_fraction, data.split_seed)
     for name, rows in split.items():
         write_text(Path(out_dir) / f"{name}.jsonl", "".join(r + "\n" for r in rows))
