@@ -27,6 +27,7 @@ from pipeline.files import flatten
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 PROJECT_ROOT_ENV = "DVC_ROOT"  # DVC sets it to the project (not the temp copy) for queued/temp experiments
 LOCAL_SCHEMES = ("sqlite", "file", "")
+VAL_DATA_TAG = "val_data"  # an evaluate run's val split (`packed.split_fingerprint`): the report compares like runs
 T = TypeVar("T")
 
 

@@ -10,11 +10,12 @@ import numpy as np
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from pipeline.data.packed import load_meta
+from pipeline.data.packed import load_meta, split_fingerprint
 from pipeline.evaluate import run_evaluate
 from pipeline.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
 from pipeline.files import atomic_dir, write_text
 from pipeline.lineage import check_packed
+from pipeline.tracking import VAL_DATA_TAG
 from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ CONFUSION_PLOT = "confusion.csv"  # plots/evaluate/: DVC's confusion plot (a hea
 def body(ctx: StageContext) -> dict[str, float]:
     gguf_path = ctx.paths.export / "model.gguf"
     ctx.add_input("gguf", gguf_path)
+    if ctx.run is not None:  # the report charts only the runs measured on the same val split
+        ctx.run.set_tags({VAL_DATA_TAG: split_fingerprint(ctx.paths.packed, "val")})
     if load_meta(ctx.paths.packed).format == "images":
         return images_body(ctx, gguf_path)
     write_text(ctx.plots_dir / CONFUSION_PLOT, CONFUSION_HEADER + "\n")

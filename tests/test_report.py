@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+import pipeline.report.build
 from pipeline.report import ReportInputs, build_report, read_outputs, write_report
 from pipeline.report.environment import environment
 from pipeline.report.render import markdown, page
 from pipeline.report.runs import compare
-from pipeline.tracking import RunRecord, Tracker, stage_runs
+from pipeline.tracking import VAL_DATA_TAG, RunRecord, Tracker, stage_runs
 from tests.conftest import ROOT
 
 EVALUATE = {"val_loss": 2.794254, "val_ppl": 16.3504, "val_bpb": 0.940714, "donor_val_loss": 3.171893}
@@ -60,8 +61,12 @@ def images(html: str) -> list[bytes]:
     return [base64.b64decode(m) for m in re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)]
 
 
-def record(name: str, metrics: dict, params: dict, start_s: float, seconds: float, recipe: str) -> RunRecord:
+def record(
+    name: str, metrics: dict, params: dict, start_s: float, seconds: float, recipe: str, val: str | None = None
+) -> RunRecord:
     tags = {"recipe": recipe, "git_commit": "0123456789abcdef", "stage": "evaluate"}
+    if val is not None:
+        tags[VAL_DATA_TAG] = val
     summary = {f"summary/{k}": v for k, v in metrics.items()}
     start, end = int(start_s * 1000), int((start_s + seconds) * 1000)
     return RunRecord(name, name, "FINISHED", start, end, tags, params, summary)
@@ -89,6 +94,33 @@ def test_report_has_every_section_number_and_chart_and_no_external_url(tmp_path:
     assert len(pngs) == 6 and all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
     assert not re.search(r"(?:src|href)=\"(?!data:|#)", html) and "http://" not in html and "https://" not in html
     assert "<script" not in html and "data:image" not in md
+
+
+def test_runs_measured_on_another_val_split_are_listed_but_not_charted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA run's response-only loss on instruction rows charted beside text runs' losses, lower read as
+    better: only runs on this run's val split (tag val_data) are charted; untagged ones are "?"."""
+    outputs = read_outputs(write_outputs(tmp_path))
+    runs = [
+        record("lora/evaluate", {**EVALUATE, "val_loss": 1.1}, {}, 4e9, 5, "lora", val="rows"),
+        record("old/evaluate", {**EVALUATE, "val_loss": 2.9}, {}, 3e9, 5, "subclone"),
+        record("exp-b/evaluate", {**EVALUATE, "val_loss": 2.8}, {}, 2e9, 5, "subclone", val="text"),
+        record("exp-a/evaluate", EVALUATE, {}, 1e9, 5, "subclone", val="text"),
+    ]
+    compared = compare(EVALUATE, {}, runs, 10)
+    assert [r.same_val for r in compared] == [False, None, True, True]
+    charted = []
+    chart = pipeline.report.build.comparison_chart
+    monkeypatch.setattr("pipeline.report.build.comparison_chart", lambda *a: charted.append(a[:2]) or chart(*a))
+    report = build_report(ReportInputs(outputs, "subclone", {}, compared))
+    section = next(s for s in report.sections if s.title == "Comparison")
+    assert [row[-2] for row in section.tables[0].rows] == ["other", "?", "same", "same"]
+    assert any(t.startswith("1 of them were measured on another val split") for t in section.text)
+    assert "| lora | lora |" in markdown(report) and len(section.figures) == 1
+    assert charted == [(["old", "exp-b", "exp-a"], [EVALUATE["val_bpb"]] * 3)]  # bits per byte: all have it
+    alone = compare(EVALUATE, {}, [runs[0], runs[3]], 10)  # nothing else on this split: this run's bar alone
+    assert [r.same_val for r in alone] == [False, True]
 
 
 def test_write_report_replaces_each_file_whole_and_keeps_the_folders_others(

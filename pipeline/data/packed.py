@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import DataError, problem
-from pipeline.files import atomic_file, write_json
+from pipeline.files import atomic_file, fingerprint, write_json
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -177,6 +177,12 @@ def data_files(packed_dir: Path) -> list[Path]:
         return [Path(packed_dir) / n for n in names]
     ext = "npz" if fmt == "instruct" else "bin"
     return [Path(packed_dir) / n for n in (META_FILE, f"train.{ext}", f"val.{ext}")]
+
+
+def split_fingerprint(packed_dir: Path, split: str) -> str:
+    """What identifies one split's contents (`fingerprint` of its files): runs measured on equal val
+    fingerprints saw the same windows, rows or images, so their losses compare."""
+    return fingerprint(f for f in data_files(packed_dir) if f.name.startswith(f"{split}."))
 
 
 def write_images(out_dir: Path, split: str, pixels: np.ndarray, labels: np.ndarray) -> None:

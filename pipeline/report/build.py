@@ -19,6 +19,8 @@ from pipeline.report.outputs import STAGES, Outputs
 from pipeline.report.runs import COMPARED_METRICS, Compared, producing_run, seconds, started
 from pipeline.tracking import RunRecord
 
+VAL_SPLIT = {True: "same", False: "other", None: "?"}  # a compared run's val split against this run's
+
 HEADLINE = (
     "val_accuracy",
     "val_loss",
@@ -118,17 +120,24 @@ def comparison(inp: ReportInputs) -> Section:
             r.commit,
             r.started,
             *(fmt(r.metrics.get(c)) for c in cols),
+            VAL_SPLIT[r.same_val],
             r.differs,
         ]
         for r in inp.compared
     ]
     this = [i for i, r in enumerate(inp.compared) if r.this]
-    table = Table(["run", "recipe", "commit", "started", *cols, "differs from this run in"], rows, this)
+    table = Table(["run", "recipe", "commit", "started", *cols, "val split", "differs from this run in"], rows, this)
     text = [f"The newest {len(inp.compared)} finished evaluate runs of the MLflow experiment, newest first."]
     if not any(r.this for r in inp.compared):
         text.append("This run's evaluate is not in the store (tracking was off for it, or another store).")
-    unit = "val_bpb" if all("val_bpb" in r.metrics for r in inp.compared) else "val_loss"
-    shown = [r for r in inp.compared if unit in r.metrics]
+    charted = [r for r in inp.compared if r.same_val is not False]  # losses on other windows do not compare
+    if len(charted) < len(inp.compared):
+        text.append(
+            f"{len(inp.compared) - len(charted)} of them were measured on another val split (other data, tokenizer "
+            "or split settings): listed, not charted, as their losses are not comparable with this run's."
+        )
+    unit = "val_bpb" if all("val_bpb" in r.metrics for r in charted) else "val_loss"
+    shown = [r for r in charted if unit in r.metrics]
     colors = [THIS_RUN if r.this else SAME_RECIPE if r.recipe == inp.recipe else OTHER_RECIPE for r in shown]
     fig = comparison_chart([r.name for r in shown], [r.metrics[unit] for r in shown], colors, unit)
     return Section("Comparison", text, [table], [fig] if shown else [])

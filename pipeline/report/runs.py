@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pipeline.files import flatten
-from pipeline.tracking import RunRecord
+from pipeline.tracking import VAL_DATA_TAG, RunRecord
 
 COMPARED_METRICS = ("val_loss", "val_ppl", "val_bpb", "gap_to_donor")
 IGNORED_PARAMS = ("output", "tracking.", "report.", "evaluate.prompts")  # how a run reports, not what it is
@@ -27,6 +27,7 @@ class Compared:
     metrics: dict[str, float]
     differs: str
     this: bool
+    same_val: bool | None = None  # measured on this run's val split (None: a run without the tag)
 
 
 def same_metrics(run: RunRecord, metrics: dict[str, object]) -> bool:
@@ -63,6 +64,7 @@ def compare(current: dict[str, float], config: dict, runs: list[RunRecord], limi
     if mine is not None and mine not in chosen:
         chosen = [*chosen, mine]
     base = mine.params if mine is not None else {k: str(v) for k, v in flatten(config).items()}
+    val = mine.tags.get(VAL_DATA_TAG) if mine is not None else None
     return [
         Compared(
             name=r.name.removesuffix("/evaluate"),
@@ -72,6 +74,7 @@ def compare(current: dict[str, float], config: dict, runs: list[RunRecord], limi
             metrics={k: r.metrics[f"summary/{k}"] for k in COMPARED_METRICS if f"summary/{k}" in r.metrics},
             differs="" if r is mine else differences(base, r.params),
             this=r is mine,
+            same_val=None if val is None or VAL_DATA_TAG not in r.tags else r.tags[VAL_DATA_TAG] == val,
         )
         for r in chosen
     ]
