@@ -17,7 +17,7 @@ from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_messa
 from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
 from pipeline.gguf.spans import Span, encode_spans, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
-from pipeline.modeldir import is_finetune_dir, load_model_dir, read_spec
+from pipeline.modeldir import CONFIG_FILE, MODEL_FILE, is_finetune_dir, load_model_dir, read_spec
 from pipeline.models.decode import for_decoding
 from pipeline.models.registry import load_gguf
 from pipeline.models.sampling import Sampling, complete
@@ -69,7 +69,8 @@ def load_for_generation(
 
 def refuse_adapter(path: Path, model_path: str) -> None:
     """A LoRA adapter given as the model (`model_path=models/export/adapter.gguf` or `.../peft`) is named as
-    one, with the `lora=` it belongs in: loading it as a model said a metadata key or config.json was missing."""
+    one, with the `lora=` it belongs in: loading it as a model said a metadata key or config.json was missing.
+    Any other folder is named as not a model (the fix was "run the stage that writes it")."""
     if path.is_dir():
         adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
     else:
@@ -81,6 +82,15 @@ def refuse_adapter(path: Path, model_path: str) -> None:
                 "a model (a GGUF or a model directory)",
                 "a LoRA adapter, which holds no base weights",
                 f"give the base as model_path and this as lora, e.g. model_path=smollm2 lora={model_path}",
+            )
+        )
+    if path.is_dir() and not ((path / CONFIG_FILE).is_file() or is_finetune_dir(path)):  # not ours at all
+        raise ConfigError(
+            problem(
+                f"model_path={model_path}",
+                f"a GGUF file or a model directory ({CONFIG_FILE} + {MODEL_FILE}, as realize and train write)",
+                f"a directory without {CONFIG_FILE}",
+                "point model_path at a .gguf (e.g. models/export/model.gguf) or at models/train",
             )
         )
 

@@ -440,3 +440,15 @@ def test_an_adapter_given_as_the_model_is_named_with_the_lora_fix(tmp_path: Path
             f"model_path={path}: expected a model (a GGUF or a model directory), found a LoRA adapter, which holds "
             f"no base weights; fix: give the base as model_path and this as lora, e.g. model_path=smollm2 lora={path}"
         )
+
+
+def test_a_folder_that_is_no_model_is_named_as_one(tmp_path: Path) -> None:
+    """It said '<dir>/config.json: expected a saved model file; fix: run the stage that writes it'."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError) as err:
+        load_for_generation(str(tmp_path))
+    assert str(err.value) == (
+        f"model_path={tmp_path}: expected a GGUF file or a model directory (config.json + model.safetensors, as "
+        "realize and train write), found a directory without config.json; fix: point model_path at a .gguf (e.g. "
+        "models/export/model.gguf) or at models/train"
+    )
