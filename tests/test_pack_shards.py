@@ -92,6 +92,28 @@ def test_merge_with_a_foreign_shard_names_its_file(tmp_path: Path, tok: GGUFToke
     assert not (tmp_path / "merged").exists()
 
 
+@pytest.mark.parametrize(
+    "file, damage",
+    [
+        ("documents.npy", lambda f: f.write_bytes(f.read_bytes()[:150])),  # copied in part
+        ("documents.npy", lambda f: f.write_text("garbage")),
+        ("seen.npy", lambda f: f.write_text("garbage")),
+        ("tokens.bin", lambda f: f.write_bytes(f.read_bytes()[:10])),
+        ("shard.json", lambda f: f.write_text("[1]")),
+        ("shard.json", lambda f: f.write_text(json.dumps({**json.loads(f.read_text()), "vocab_size": "x"}))),
+    ],
+)
+def test_merge_of_a_damaged_shard_file_names_it_and_the_job_to_rerun(tmp_path: Path, tok: GGUFTokenizer, file, damage):
+    """A shard copied in part from another machine (or edited) is one line naming the file, not a numpy crash."""
+    cfg = sharded(tmp_path, tok, 2)
+    damage(Path(cfg.shard_dir) / shard_name(0, 2) / file)  # shard 0 holds all 41 documents
+    with pytest.raises(DataError) as err:
+        merge_shards(cfg, tok.fingerprint(), tmp_path / "merged")
+    message = str(err.value)
+    assert f"{shard_name(0, 2)}/{file}" in message and "data.shard_index=0" in message and "\n" not in message
+    assert not (tmp_path / "merged").exists()
+
+
 def test_shard_files_are_small_and_flat(tmp_path: Path, tok: GGUFTokenizer) -> None:
     """A shard keeps ids (no text) plus 16 bytes a document and a bit per vocab entry."""
     cfg = sharded(tmp_path, tok, 2)

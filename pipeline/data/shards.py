@@ -20,7 +20,9 @@ import hashlib
 import json
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from pipeline.data.text import copy_runs, data_record, pack_metrics, peak_rss_mb
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.files import atomic_dir, write_json
 from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.records import field_problems
 
 SHARD_BLOCK = 1000  # consecutive documents that go to one shard
 SHARD_META = "shard.json"
@@ -96,39 +99,82 @@ def pack_shard(
     }
 
 
-def read_shards(cfg: DataConfig, tokenizer_fingerprint: str) -> list[tuple[Path, dict]]:
-    """Every shard of this config, checked: present once each, complete, same fingerprint and tokenizer."""
-    root = Path(cfg.shard_dir)
-    fix = "re-run pack with data.num_shards={n} data.shard_index={k} (same config and donor), then merge again"
+@dataclass
+class _ShardRecord:
+    """The keys of `shard.json` the merge reads (what `pack_shard` writes)."""
+
+    shard_index: int
+    num_shards: int
+    config_fingerprint: str
+    vocab_size: int
+    documents: int
+    tokens: int
+    corpus_sha256: str
+    seconds: float
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+
+@dataclass
+class Shard:
+    """One checked shard: its directory, its record and its per-document (tokens, bytes) table."""
+
+    path: Path
+    record: dict[str, Any]
+    per_doc: np.ndarray
+
+
+def read_shards(cfg: DataConfig, tokenizer_fingerprint: str) -> list[Shard]:
+    """Every shard of this config, checked: present once each, complete, same fingerprint and tokenizer,
+    files as `pack_shard` wrote them (a shard copied in part from another machine is named, not a crash)."""
     want = config_fingerprint(cfg, tokenizer_fingerprint)
     shards = []
     for k in range(cfg.num_shards):
-        d = root / shard_name(k, cfg.num_shards)
+        d = Path(cfg.shard_dir) / shard_name(k, cfg.num_shards)
+        fix = _REDO.format(n=cfg.num_shards, k=k)
         meta = d / SHARD_META
         missing = [f for f in FILES if not (d / f).is_file()]
         if missing:
             found = "no shard directory" if not d.is_dir() else f"no {', '.join(missing)}"
-            where = str(meta) if d.is_dir() else str(d)
-            raise DataError(problem(where, f"shard {k} of {cfg.num_shards}", found, fix.format(n=cfg.num_shards, k=k)))
+            raise DataError(problem(str(meta) if d.is_dir() else str(d), f"shard {k} of {cfg.num_shards}", found, fix))
         try:
             record = json.loads(meta.read_text())
         except (OSError, ValueError) as e:
-            raise DataError(
-                problem(str(meta), "a shard record", f"unreadable ({e})"[:100], fix.format(n=cfg.num_shards, k=k))
-            ) from None
-        found = (record.get("shard_index"), record.get("num_shards"), record.get("config_fingerprint"))
+            raise DataError(problem(str(meta), "a shard record", f"unreadable ({e})"[:100], fix)) from None
+        wrong = field_problems(record, _ShardRecord) if isinstance(record, dict) else [type(record).__name__]
+        if wrong:
+            raise DataError(problem(str(meta), "a shard record as pack writes it", "; ".join(wrong)[:200], fix))
+        found = (record["shard_index"], record["num_shards"], record["config_fingerprint"])
         if found != (k, cfg.num_shards, want):
             what = "from another config or tokenizer" if found[2] != want else f"index {found[0]} of {found[1]}"
-            raise DataError(
-                problem(
-                    str(meta),
-                    f"shard {k} of {cfg.num_shards} packed with this config",
-                    what,
-                    fix.format(n=cfg.num_shards, k=k),
-                )
-            )
-        shards.append((d, record))
+            raise DataError(problem(str(meta), f"shard {k} of {cfg.num_shards} packed with this config", what, fix))
+        shards.append(Shard(d, record, _documents(d, record, fix)))
     return shards
+
+
+_REDO = "re-run pack with data.num_shards={n} data.shard_index={k} (same config and donor), then merge again"
+
+
+def _load(path: Path, fix: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        found = f"an unreadable or truncated file ({type(e).__name__})"
+        raise DataError(problem(str(path), "a numpy array as pack writes it", found, fix)) from None
+
+
+def _documents(d: Path, record: dict[str, Any], fix: str) -> np.ndarray:
+    """The shard's documents.npy, checked against its record and the size of its tokens.bin."""
+    per_doc = _load(d / "documents.npy", fix)
+    n = record["documents"]
+    if per_doc.dtype != np.int64 or per_doc.shape != (n, 2):
+        found = f"{per_doc.dtype} of shape {per_doc.shape}"
+        raise DataError(problem(str(d / "documents.npy"), f"int64 of shape ({n}, 2) (shard.json)", found, fix))
+    size = int(per_doc[:, 0].sum()) * ids_dtype(record["vocab_size"]).itemsize
+    if (d / FILES[0]).stat().st_size != size:
+        found = f"{(d / FILES[0]).stat().st_size} bytes"
+        raise DataError(problem(str(d / FILES[0]), f"{size} bytes (documents.npy)", found, fix))
+    return per_doc
 
 
 def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> tuple[PackMeta, dict[str, float]]:
@@ -142,8 +188,8 @@ def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> 
             )
         )
     shards = read_shards(cfg, tokenizer_fingerprint)
-    first = shards[0][1]
-    per_doc = [np.load(d / "documents.npy") for d, _ in shards]
+    first = shards[0].record
+    per_doc = [s.per_doc for s in shards]
     n = sum(len(p) for p in per_doc)
     if n < 2:
         raise too_few_documents(cfg, n)
@@ -159,18 +205,18 @@ def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> 
     del per_doc, starts, local  # what stays: about 30 bytes a document, never the ids
     val = val_mask(n, cfg.val_fraction, cfg.split_seed)
     seen = np.zeros(first["vocab_size"], dtype=bool)
-    for d, _ in shards:
-        seen |= np.unpackbits(np.load(d / "seen.npy"), count=first["vocab_size"]).astype(bool)
-    sha = hashlib.sha256("".join(r["corpus_sha256"] for _, r in shards).encode()).hexdigest()
+    for k, s in enumerate(shards):
+        seen |= _seen(s.path / "seen.npy", first["vocab_size"], _REDO.format(n=cfg.num_shards, k=k))
+    sha = hashlib.sha256("".join(s.record["corpus_sha256"] for s in shards).encode()).hexdigest()
     with atomic_dir(out_dir) as tmp:
-        copy_runs([d / FILES[0] for d, _ in shards], tmp, val, where, start_of, tokens * itemsize)
+        copy_runs([s.path / FILES[0] for s in shards], tmp, val, where, start_of, tokens * itemsize)
         facts = {"corpus_sha256": sha, "bos_id": first["bos_id"], "eos_id": first["eos_id"]}
         meta = split_meta(
             first, cfg, val, tokens, nbytes, distinct_tokens=int(seen.sum()), shards=cfg.num_shards, **facts
         )
         write_meta(tmp, meta)
     metrics = pack_metrics(meta, time.perf_counter() - start)
-    slowest = max(r["seconds"] for _, r in shards)  # the shard jobs ran side by side: the slowest is their wall
+    slowest = max(s.record["seconds"] for s in shards)  # the shard jobs ran side by side: the slowest is their wall
     wall = slowest + metrics["seconds"]
     metrics.update(
         shards=float(cfg.num_shards),
@@ -179,6 +225,16 @@ def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> 
         documents_per_second=metrics["documents"] / max(wall, 1e-9),
     )
     return meta, metrics
+
+
+def _seen(path: Path, vocab_size: int, fix: str) -> np.ndarray:
+    """A shard's seen.npy (a bit per vocab id) as booleans."""
+    bits = _load(path, fix)
+    size = (vocab_size + 7) // 8
+    if bits.dtype != np.uint8 or bits.shape != (size,):
+        found = f"{bits.dtype} of shape {bits.shape}"
+        raise DataError(problem(str(path), f"uint8 of shape ({size},) (a bit per vocab id)", found, fix))
+    return np.unpackbits(bits, count=vocab_size).astype(bool)
 
 
 def corpus_order(sizes: list[int], num_shards: int) -> tuple[np.ndarray, np.ndarray]:
