@@ -112,6 +112,29 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_one_before_used(project: 
     assert len(reports) == 1 and "step-00000008" in reports[0] and "corrupt" in reports[0]
 
 
+def test_corrupt_newer_checkpoints_never_prune_the_new_ones(project: Path, tmp_path: Path, monkeypatch) -> None:
+    """Every checkpoint corrupt (a disk that filled up): the re-run starts over, and each checkpoint it writes
+    is there right after (the corrupt step-8 and step-6 outranked and pruned the new step-2 and step-4)."""
+    _, _, plan = run_lib(project, TCFG, tmp_path)
+    for s in (4, 6, 8):
+        weights = plan.root / ckpt.step_name(s) / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    written: list[tuple[int, bool]] = []
+    write = ckpt.write
+
+    def checked(root: Path, step: int, *args, **kw) -> Path:
+        path = write(root, step, *args, **kw)
+        written.append((step, path.is_dir()))
+        return path
+
+    monkeypatch.setattr(ckpt, "write", checked)
+    _, result, again = run_lib(project, TCFG, tmp_path)
+    assert again.resume is None and result.resumed_from == 0
+    assert written == [(2, True), (4, True), (6, True), (8, True)]
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [8, 6, 4]
+    assert ckpt.validate(plan.root / ckpt.step_name(8)).step == 8
+
+
 @pytest.fixture(scope="module")
 def trained(project: Path, tmp_path_factory) -> Path:
     """The checkpoints of one TCFG run (steps 4, 6, 8), for tests that spoil a copy."""

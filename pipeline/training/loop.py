@@ -163,8 +163,10 @@ class _Run:
         resume = None if plan is None else plan.resume
         self.state = LoopState() if resume is None else restore(resume, self.session, self.sampler)
         self.best = None if resume is None or not tcfg.keep_best else restore_best(resume, self.state, self.session)
-        if resume is None and plan is not None and tcfg.resume == "never" and self.info.is_main:
-            ckpt.remove_newer(plan.root, 0)
+        if plan is not None and tcfg.resume in ("auto", "never") and self.info.is_main:
+            # never: a fresh run supersedes this config's old checkpoints; auto: every step dir past the one
+            # resumed is corrupt (reported), and left in place it would outrank, and prune, the new ones
+            ckpt.remove_newer(plan.root, 0 if resume is None else resume.step)
         self.last_checkpoint = None if resume is None else str(resume.path)
         lbfgs = optim.name == "lbfgs"
         self.queue = None if lbfgs or not defers(self.device, self.session.opt, self.session.fsdp) else QueuedSteps()
