@@ -34,6 +34,7 @@ from pipeline.tracking import Run, project_root
 from stages import output
 from stages.overrides import check_overrides, forget_unknown_key
 from stages.runs import open_run
+from stages.signals import restore_sigterm, stop_on_sigterm, stopped
 
 CONFIG_PATH = "../conf"
 T = TypeVar("T")
@@ -342,13 +343,10 @@ def run_stage(
         run.set_tags(tags)
     ctx = StageContext(stage, typed, resolved, paths, out_dir, metrics_path, plots_dir, run)
     status = "FAILED"
+    previous = stop_on_sigterm()
     try:
         metrics = body(ctx)
-        if primary:
-            write_json(metrics_path, metrics)
-            output.emit_json(typed.output, stage, metrics, ctx.run_id)
-        if run is not None:
-            _finish(run, stage, cfg, metrics, metrics_path, out_dir)
+        _write_results(ctx, cfg, metrics, primary)
         status = "FINISHED"
     except PipelineError as e:
         status = getattr(e, "mlflow_status", "FAILED")
@@ -356,15 +354,27 @@ def run_stage(
             run.set_tags({"error": str(e)})
             run.end(status)
         fail(str(e), getattr(e, "exit_code", 2))
-    except BaseException:
-        status = "KILLED" if not isinstance(sys.exc_info()[1], Exception) else "FAILED"
+    except BaseException as e:
+        status = "KILLED" if not isinstance(e, Exception) else "FAILED"
         if run is not None:
             run.end(status)
+        if isinstance(e, KeyboardInterrupt):
+            fail(*stopped(stage, e))
         raise
     finally:
+        restore_sigterm(previous)
         if parent is not None:
             parent.end(status)
     return metrics
+
+
+def _write_results(ctx: StageContext, cfg: DictConfig, metrics: dict[str, float], primary: bool) -> None:
+    """The metrics file and `output=json` line (rank 0), then the MLflow run's summary (FINISHED)."""
+    if primary:
+        write_json(ctx.metrics_path, metrics)
+        output.emit_json(ctx.cfg.output, ctx.stage, metrics, ctx.run_id)
+    if ctx.run is not None:
+        _finish(ctx.run, ctx.stage, cfg, metrics, ctx.metrics_path, ctx.out_dir)
 
 
 def _finish(run: Run, stage: str, cfg: DictConfig, metrics: dict, metrics_path: Path, out_dir: Path) -> None:

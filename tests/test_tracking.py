@@ -5,6 +5,9 @@ into the project's store; artifacts are placed by us only for local stores."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +133,40 @@ def test_mlflow_ui_refuses_a_taken_or_bad_port_in_one_line(tmp_path: Path, port:
     assert len(lines) == 1 and lines[0].startswith(f"error: port {arg if port == 'taken' else repr(arg)}")
     assert ("it is taken" in lines[0]) == (port == "taken") and "fix: " in lines[0]
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stage_stopped_by_a_signal_is_one_line_a_killed_run_and_no_output(
+    tmp_path: Path, monkeypatch, capsys, signum: int
+) -> None:
+    """SIGTERM (kill, scancel) killed pack or teach on the spot: the MLflow run stayed RUNNING and the temp
+    output was left; Ctrl-C printed a traceback. Both are now one line, exit 128+N, the run KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.files import atomic_dir
+    from stages.common import run_stage
+    from stages.compose import compose_config
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = compose_config(["preset=tiny"])
+
+    def body(ctx) -> dict[str, float]:
+        with atomic_dir(tmp_path / "data" / "packed") as tmp:
+            (tmp / "train.bin").write_bytes(b"\0" * 10)
+            os.kill(os.getpid(), signum)
+            time.sleep(30)  # the signal arrives long before
+        return {}
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage("pack", cfg, body)
+    assert exit_info.value.code == 128 + signum
+    lines = [line for line in capsys.readouterr().err.splitlines() if "mlflow.store" not in line]  # store setup
+    name = signal.Signals(signum).name
+    assert len(lines) == 1 and lines[0].startswith(f"error: pack stopped by {name}: ")
+    assert lines[0].endswith("fix: run it again")
+    assert list((tmp_path / "data").iterdir()) == []  # no temp dir left, nothing half-written
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
+    assert run.info.status == "KILLED"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
