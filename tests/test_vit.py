@@ -155,6 +155,23 @@ def test_an_unreadable_image_is_named(tmp_path: Path) -> None:
     assert "\n" not in str(e.value) and not (tmp_path / "packed").exists()
 
 
+def test_images_in_nested_folders_count_for_their_class(tmp_path: Path) -> None:
+    """class1/night/*.png belongs to class1 (they were skipped without a word); hidden folders do not count."""
+    flat = write_image_folder(tmp_path / "flat")
+    nested = write_image_folder(tmp_path / "nested")
+    (nested / "class1" / "night").mkdir()
+    for f in sorted((nested / "class1").glob("*.png"))[:4]:
+        f.rename(nested / "class1" / "night" / f.name)
+    (nested / "class2" / ".ipynb_checkpoints").mkdir()
+    (nested / "class2" / ".ipynb_checkpoints" / "x.txt").write_text("not an image")
+    a, _ = pack_images(DataConfig(source="images", path=str(flat)), tmp_path / "a")
+    b, _ = pack_images(DataConfig(source="images", path=str(nested)), tmp_path / "b")
+    assert b.documents == a.documents and sum(a.documents.values()) == 18
+    assert sorted(load_images(tmp_path / "b", "train").labels.tolist()) == sorted(
+        load_images(tmp_path / "a", "train").labels.tolist()
+    )
+
+
 def test_image_size_not_divisible_by_the_patch_size_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"config key data.image_size: expected a multiple of model.patch_size=4"):
         PipelineConfig(data=DataConfig(source="digits", image_size=10), model=TINY, recipe=RECIPE)

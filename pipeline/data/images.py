@@ -71,7 +71,11 @@ def class_folders(root: Path) -> list[Path]:
 
 
 def image_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    """Every file under a class folder, nested folders included (cat/indoor/*.png is class cat, as
+    torchvision's ImageFolder reads it; they were skipped without a word); hidden files and folders
+    (.DS_Store, .ipynb_checkpoints/) are not images."""
+    files = (p for p in folder.rglob("*") if p.is_file())
+    return sorted(p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
 
 def read_image(path: Path, size: int, channels: int) -> np.ndarray:
@@ -102,7 +106,7 @@ def read_folder(root: Path, size: int, channels: int) -> ImageSet:
         for path in files:
             pixels.append(read_image(path, size, channels))
             labels.append(label)
-            digest.update(f"{folder.name}/{path.name}\n".encode() + path.read_bytes())
+            digest.update(f"{folder.name}/{path.relative_to(folder).as_posix()}\n".encode() + path.read_bytes())
     return ImageSet(np.stack(pixels), np.asarray(labels, dtype=np.int64), [f.name for f in folders], digest.hexdigest())
 
 
