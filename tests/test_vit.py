@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from pipeline.config import DataConfig, ModelConfig, OptimConfig, PipelineConfig, RecipeConfig, TrainConfig
-from pipeline.data.images import pack_images
+from pipeline.data.images import pack_images, read_image
 from pipeline.data.packed import load_data, load_images
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.reader import GGUFFile
@@ -170,6 +170,24 @@ def test_images_in_nested_folders_count_for_their_class(tmp_path: Path) -> None:
     assert sorted(load_images(tmp_path / "b", "train").labels.tolist()) == sorted(
         load_images(tmp_path / "a", "train").labels.tolist()
     )
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_16_bit_and_float_grey_images_keep_their_values(tmp_path: Path, channels: int) -> None:
+    """A 16-bit PNG (microscopy, depth maps) came out all white and a float TIFF all black: Pillow's
+    convert("L") clips at 255. Now each reads as the 8-bit image of the same picture does."""
+    ramp = np.linspace(0.0, 1.0, 64, dtype=np.float32).reshape(8, 8)
+    (tmp_path / "a").mkdir()
+    Image.fromarray(np.round(ramp * 255).astype(np.uint8)).save(tmp_path / "a" / "8bit.png")
+    Image.fromarray(np.round(ramp * 65535).astype(np.uint16)).save(tmp_path / "a" / "16bit.png")
+    Image.fromarray(ramp, mode="F").save(tmp_path / "a" / "float.tif")
+    assert Image.open(tmp_path / "a" / "16bit.png").mode.startswith("I")
+    base, wide, flt = (read_image(tmp_path / "a" / n, 8, channels) for n in ("8bit.png", "16bit.png", "float.tif"))
+    assert base.shape == wide.shape == flt.shape == (channels, 8, 8)
+    assert np.abs(wide - base).max() < 1 / 255 and np.abs(flt - base).max() < 1 / 255
+    Image.fromarray(ramp * 9, mode="F").save(tmp_path / "a" / "hdr.tif")
+    with pytest.raises(DataError, match=r"hdr.tif: expected float pixels in \[0, 1\], found values from 0 to 9"):
+        read_image(tmp_path / "a" / "hdr.tif", 8, channels)
 
 
 def test_image_size_not_divisible_by_the_patch_size_names_the_key() -> None:

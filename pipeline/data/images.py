@@ -82,15 +82,35 @@ def read_image(path: Path, size: int, channels: int) -> np.ndarray:
     """One image file as (C, size, size) float32 in [0, 1]; an unreadable file is a named error."""
     try:
         with Image.open(path) as img:
-            img = img.convert("L" if channels == 1 else "RGB").resize((size, size), Image.Resampling.BILINEAR)
-            arr = np.asarray(img, dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+            if img.mode in WIDE_MODES:
+                arr = _wide_grey(img, path, size, channels)
+            else:
+                img = img.convert("L" if channels == 1 else "RGB").resize((size, size), Image.Resampling.BILINEAR)
+                arr = np.asarray(img, dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise DataError(
             problem(
                 str(path), "an image file Pillow can read", f"unreadable ({one_line(e, 100)})", "remove or replace it"
             )
         ) from None
     return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+
+
+# Pillow's grey modes wider than 8 bits: 16-bit PNG/TIFF (I;16*, or I), 32-bit float TIFF (F). Their
+# convert("L") clips every value above 255, so a 16-bit image came out all white and a float one black.
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
+def _wide_grey(img: Image.Image, path: Path, size: int, channels: int) -> np.ndarray:
+    """A 16-bit (scaled by 65535) or float ([0, 1]) grey image as (H, W[, 3]) float32 in [0, 1]."""
+    raw = np.asarray(img, dtype=np.float32)
+    top = 1.0 if img.mode == "F" else 65535.0
+    if raw.size and (raw.min() < 0 or raw.max() > top):
+        found = f"values from {raw.min():g} to {raw.max():g} in a {img.mode} image"
+        expected = "float pixels in [0, 1]" if img.mode == "F" else "16-bit pixels (0 to 65535)"
+        raise DataError(problem(str(path), expected, found, "save it rescaled as an 8- or 16-bit PNG"))
+    grey = _resize_grey(raw / top, size)
+    return grey if channels == 1 else np.repeat(grey[:, :, None], 3, axis=2)
 
 
 def read_folder(root: Path, size: int, channels: int) -> ImageSet:
