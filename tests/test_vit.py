@@ -147,6 +147,14 @@ def test_a_folder_without_class_sub_folders_is_named(tmp_path: Path) -> None:
     assert not (tmp_path / "packed").exists()
 
 
+def test_a_folder_of_one_class_is_named_before_anything_is_written(tmp_path: Path) -> None:
+    """One class packed fine, then realize asked for model.n_classes=1, which the config refuses (>= 2)."""
+    root = write_image_folder(tmp_path / "images", classes=1)
+    with pytest.raises(DataError, match=r"images: expected at least 2 class sub-folders.*found 1 \(class0/\)"):
+        pack_images(DataConfig(source="images", path=str(root)), tmp_path / "packed")
+    assert not (tmp_path / "packed").exists()
+
+
 def test_an_unreadable_image_is_named(tmp_path: Path) -> None:
     root = write_image_folder(tmp_path / "images")
     (root / "class1" / "broken.png").write_bytes(b"not a png at all")

@@ -67,6 +67,15 @@ def class_folders(root: Path) -> list[Path]:
                 "put each class's images in a folder named after the class",
             )
         )
+    if len(folders) == 1:  # model.n_classes must be >= 2: a pack of one class could never be trained
+        raise DataError(
+            problem(
+                f"data.path={root}",
+                "at least 2 class sub-folders (a classifier tells classes apart)",
+                f"1 ({folders[0].name}/)",
+                "add a sub-folder of images for each other class",
+            )
+        )
     return folders
 
 
