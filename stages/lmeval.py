@@ -32,17 +32,37 @@ def run(argv: list[str]) -> None:
     harness.cli_evaluate()
 
 
+def _where(argv: list[str]) -> str:
+    """The command for the error line, its --tasks first: a long --model_args path hid them."""
+    tasks = next((a.split("=", 1)[1] for a in argv if a.startswith("--tasks=")), None)
+    if tasks is None and "--tasks" in argv[:-1]:
+        tasks = argv[argv.index("--tasks") + 1]
+    return ("lm_eval" + (f" --tasks {tasks}" if tasks else "") + " " + " ".join(argv))[:160]
+
+
 def main() -> None:
     try:
         run(sys.argv[1:])
     except PipelineError as e:
         fail(str(e))
+    except (ConnectionError, TimeoutError) as e:  # a Hub dataset (hellaswag, arc_easy, ...) without a network
+        if os.environ.get("SMOLLM_TRACEBACK"):
+            raise
+        fail(
+            problem(
+                _where(sys.argv[1:]),
+                "each task's dataset on this machine (cached, or local files)",
+                f"no way to download it: {one_line(e, 200)}",
+                "run once where the Hugging Face Hub is reachable (datasets caches it under ~/.cache/huggingface), "
+                "then HF_DATASETS_OFFLINE=1 uses the cache; or a task YAML over local files (--include_path)",
+            )
+        )
     except USER_ERRORS as e:
         if os.environ.get("SMOLLM_TRACEBACK"):
             raise
         fail(
             problem(
-                "lm_eval " + " ".join(sys.argv[1:])[:120],
+                _where(sys.argv[1:]),
                 "tasks whose data loads and valid arguments",
                 f"{type(e).__name__}: {one_line(e, 300)}",
                 "check the task's dataset_path / data_files (hub datasets need a network), or rerun with "

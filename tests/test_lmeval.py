@@ -275,6 +275,24 @@ def test_cli_runs_the_task_and_refuses_bad_input_on_one_line(tiny: Path, tmp_pat
     assert notgguf.stderr.strip().splitlines()[-1].startswith(f"error: {text}: expected a GGUF file")
 
 
+def test_a_hub_task_without_a_network_is_one_line_naming_the_download(tiny: Path, tmp_path: Path) -> None:
+    """--tasks arc_easy (or any Hub dataset) on a machine without a network ended in a 60-line
+    ConnectionError traceback (after ~40 s of retries without HF_HUB_OFFLINE)."""
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "hub_mc.yaml").write_text(
+        "task: hub_mc\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
+        f"dataset_kwargs:\n  cache_dir: {folder / 'hf-cache'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices.text}}"\ndoc_to_target: 0\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    out = cli("--model_args", f"path={tiny}", "--tasks", "hub_mc", "--include_path", str(folder), cwd=ROOT)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert last.startswith("error: lm_eval") and "allenai/ai2_arc" in last and "HF_DATASETS_OFFLINE=1" in last
+
+
 def test_without_lm_eval_the_command_names_the_extra_to_install() -> None:
     code = (
         "import sys\nsys.modules['lm_eval'] = None  # as if the [eval] extra were not installed\n"
