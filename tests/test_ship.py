@@ -195,7 +195,8 @@ def test_val_windows_of_a_stream_are_evaluates_windows() -> None:
 def test_parity_on_a_file_llamacpp_cannot_load_is_one_line(tmp_path: Path, model: Llama) -> None:
     pytest.importorskip("llama_cpp")
     path = write_tiny_gguf(tmp_path / "tok.gguf", vocab=256, width=16, model=True)
-    meta = donor_tokenizer_metadata(GGUFFile(path))  # pre-tokenizer `gpt2`: llama.cpp does not know it
+    tiny = GGUFFile(path)  # its pre-tokenizer `gpt2`, copied verbatim (an export writes `gpt-2`): llama.cpp refuses it
+    meta = {k: tiny.typed_field(k) for k in tiny.metadata if k.startswith("tokenizer.")}
     gguf = export_llama(model, tmp_path / "m.gguf", meta, {}, "f32")
     with pytest.raises(PipelineError) as err:
         llamacpp_parity(gguf, model, np.arange(100, dtype=np.uint16), 32, 1, 0.03)

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,18 @@ def test_mlflow_ui_refuses_a_taken_or_bad_port_in_one_line(tmp_path: Path, port:
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.fixture
+def terminal_sigint() -> Iterator[None]:
+    """Ctrl-C as a terminal delivers it: a job started in the background (CI under `nohup ... &`) begins with
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stage_stopped_by_a_signal_is_one_line_a_killed_run_and_no_output(
-    tmp_path: Path, monkeypatch, capsys, signum: int
+    tmp_path: Path, monkeypatch, capsys, signum: int, terminal_sigint: None
 ) -> None:
     """SIGTERM (kill, scancel) killed pack or teach on the spot: the MLflow run stayed RUNNING and the temp
     output was left; Ctrl-C printed a traceback. Both are now one line, exit 128+N, the run KILLED."""
