@@ -45,30 +45,28 @@ def main() -> None:
         run(sys.argv[1:])
     except PipelineError as e:
         fail(str(e))
-    except (ConnectionError, TimeoutError) as e:  # a Hub dataset (hellaswag, arc_easy, ...) without a network
+    except (ConnectionError, TimeoutError, *USER_ERRORS) as e:
         if os.environ.get("SMOLLM_TRACEBACK"):
             raise
-        fail(
-            problem(
-                _where(sys.argv[1:]),
-                "each task's dataset on this machine (cached, or local files)",
-                f"no way to download it: {one_line(e, 200)}",
-                "run once where the Hugging Face Hub is reachable (datasets caches it under ~/.cache/huggingface), "
-                "then HF_DATASETS_OFFLINE=1 uses the cache; or a task YAML over local files (--include_path)",
-            )
+        fail(problem(_where(sys.argv[1:]), *_explain(e)))
+
+
+def _explain(e: Exception) -> tuple[str, str, str]:
+    """(expected, found, fix) for a harness failure a user can mend: no network for a Hub dataset, or bad
+    tasks and arguments."""
+    if isinstance(e, (ConnectionError, TimeoutError)):  # a Hub dataset (hellaswag, arc_easy, ...) offline
+        return (
+            "each task's dataset on this machine (cached, or local files)",
+            f"no way to download it: {one_line(e, 200)}",
+            "run once where the Hugging Face Hub is reachable (datasets caches it under ~/.cache/huggingface), "
+            "then HF_DATASETS_OFFLINE=1 uses the cache; or a task YAML over local files (--include_path)",
         )
-    except USER_ERRORS as e:
-        if os.environ.get("SMOLLM_TRACEBACK"):
-            raise
-        fail(
-            problem(
-                _where(sys.argv[1:]),
-                "tasks whose data loads and valid arguments",
-                f"{type(e).__name__}: {one_line(e, 300)}",
-                "check the task's dataset_path / data_files (hub datasets need a network), or rerun with "
-                "SMOLLM_TRACEBACK=1 for the traceback",
-            )
-        )
+    return (
+        "tasks whose data loads and valid arguments",
+        f"{type(e).__name__}: {one_line(e, 300)}",
+        "check the task's dataset_path / data_files (hub datasets need a network), or rerun with "
+        "SMOLLM_TRACEBACK=1 for the traceback",
+    )
 
 
 if __name__ == "__main__":
