@@ -170,6 +170,22 @@ def test_a_checkpoint_state_of_wrong_types_is_named_and_skipped(project, trained
     assert named in str(info.value) and "\n" not in str(info.value)
 
 
+def test_when_every_checkpoint_is_corrupt_the_last_report_says_the_run_starts_over(
+    project, trained: Path, tmp_path: Path
+) -> None:
+    ckpt.shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    (root,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    for step in (4, 6, 8):
+        (root / ckpt.step_name(step) / "state.json").write_text("{")
+    reports: list[str] = []
+    again = plan_checkpoints(
+        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+    )
+    assert again.resume is None and len(reports) == 3
+    assert all("trying the one before it" in r for r in reports[:2]), reports
+    assert "no older checkpoint, starting from step 0" in reports[2], reports[2]
+
+
 def test_a_train_state_of_wrong_types_is_one_named_line_from_export(project: Path, tmp_path: Path) -> None:
     from pipeline.modeldir import TrainState, read_train_state
 

@@ -146,14 +146,19 @@ _FIX = (
 )
 
 
-def newest_valid(root: Path, report: Callable[[str], None] | None = None) -> Checkpoint | None:
-    """The newest checkpoint under `root` that validates; each corrupt newer one is reported."""
+def newest_valid(
+    root: Path, report: Callable[[str], None] | None = None, if_none: str = "starting from step 0"
+) -> Checkpoint | None:
+    """The newest checkpoint under `root` that validates; each corrupt newer one is reported, the
+    oldest with `if_none` (what happens when nothing validates)."""
     report = report or _warn
-    for _, path in step_dirs(root):
+    paths = [path for _, path in step_dirs(root)]
+    for i, path in enumerate(paths):
         try:
             return validate(path)
-        except CheckpointError as e:
-            report(f"corrupt checkpoint, using the one before it: {e}")
+        except CheckpointError as e:  # the last one says so: no resume, the run starts at step 0
+            then = "trying the one before it" if i + 1 < len(paths) else f"no older checkpoint, {if_none}"
+            report(f"corrupt checkpoint skipped, {then}: {e}")
     return None
 
 
@@ -162,7 +167,7 @@ def resolve(path: Path, report: Callable[[str], None] | None = None) -> Checkpoi
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return validate(path)
-    found = newest_valid(path, report)
+    found = newest_valid(path, report, if_none="nothing to resume from")
     if found is None:
         raise CheckpointError(
             problem(
