@@ -74,6 +74,8 @@ def test_every_shape_is_one_conversation(obj: dict, messages: list, response: st
         ({"prompt": "q", "completion": 4}, 'found "completion" of type int (4)'),
         ({"prompt": "q", "answer": "a"}, "found keys ['answer', 'prompt']"),
         ({"conversations": [{"from": "gpt", "value": "A"}, {"from": "human", "value": "Q"}]}, "role 'assistant'"),
+        ({"messages": [{"role": "human", "content": "Q"}, {"role": "assistant", "content": "A"}]}, "use 'user'"),
+        ({"messages": [{"role": "user", "content": "Q"}, {"role": "bot", "content": "A"}]}, "found 'bot'"),
     ],
 )
 def test_malformed_shapes_are_named(obj: dict, needle: str) -> None:

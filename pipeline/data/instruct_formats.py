@@ -15,6 +15,8 @@ SHAPE = (
     '"conversations" (ShareGPT) or "messages" ending with an assistant turn'
 )
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# the roles chat templates render (OpenAI's, llama 3's tool roles); another one is a typo or ShareGPT's spelling
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def conversation(obj: Any, where: str) -> list[dict[str, str]]:
@@ -23,6 +25,7 @@ def conversation(obj: Any, where: str) -> list[dict[str, str]]:
         raise DataError(problem(where, SHAPE, type(obj).__name__, "fix or remove the line"))
     if "messages" in obj:
         msgs = _checked(obj["messages"], where, "role", "content", "messages: a list of >= 2 {role, content} strings")
+        _known_roles(msgs, where)
     elif "conversations" in obj:
         turns = _checked(obj["conversations"], where, "from", "value", "conversations: >= 2 {from, value} strings")
         msgs = [_sharegpt(t, where) for t in turns]
@@ -58,6 +61,16 @@ def _checked(turns: Any, where: str, role: str, content: str, expected: str) -> 
     if not ok:
         raise DataError(problem(where, f"{expected}", repr(turns)[:80], "fix the line"))
     return [{"role": t[role], "content": t[content]} for t in turns]
+
+
+def _known_roles(msgs: list[dict[str, str]], where: str) -> None:
+    """A role no chat template knows (`"human"`, `"bot"`) would be rendered as a header the model never saw."""
+    unknown = next((m["role"] for m in msgs if m["role"] not in MESSAGE_ROLES), None)
+    if unknown is not None:
+        hint = f"'{SHAREGPT_ROLES[unknown]}' (ShareGPT's '{unknown}')" if unknown in SHAREGPT_ROLES else "one of those"
+        raise DataError(
+            problem(where, f"each messages role one of {', '.join(MESSAGE_ROLES)}", repr(unknown), f"use {hint}")
+        )
 
 
 def _sharegpt(turn: dict[str, str], where: str) -> dict[str, str]:
