@@ -167,6 +167,20 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
+def check_stop_ids(stop_ids: tuple[int, ...], vocab_size: int) -> None:
+    """An id the model cannot produce never stops anything: a typo'd stop_ids would silently run to max_new_tokens."""
+    bad = [i for i in stop_ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(
+            problem(
+                "stop_ids",
+                f"token ids in [0, {vocab_size}) (the model's vocabulary)",
+                ", ".join(map(str, bad)),
+                "use ids the tokenizer gives (e.g. the EOS id), or stop=['text'] for a stop string",
+            )
+        )
+
+
 def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
     """The generate stage: load, build the prompt, generate; returns what `generate.json` holds."""
     if cfg.threads > 0:
@@ -177,6 +191,7 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
     text = "".join(t for t, _ in spans)
     prompt_ids = encode_prompt(tok, spans, model.cfg.context_length)
     stop_ids = tuple(cfg.stop_ids) if cfg.stop_ids is not None else default_stop_ids(tok, cfg.chat)
+    check_stop_ids(stop_ids, model.cfg.vocab_size)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
     stops = [unescape(s) for s in cfg.stop]
     done = complete(model, tok.decode, prompt_ids, cfg.max_new_tokens, sampling, stop_ids, stops, cfg.cache)

@@ -331,6 +331,9 @@ def test_checkpoint_directory_generates_with_the_named_tokenizer(tmp_path: Path,
     assert result["prompt_ids"] == smol_tok.encode("Hello")
     assert result["ids"] == generate_ids(load_model_dir(tmp_path), result["prompt_ids"], 4)
     assert result["n_tokens"] == 4 and result["completion"] == smol_tok.decode(result["ids"])
+    too_big = smol_tok.vocab_size
+    with pytest.raises(ConfigError, match=rf"^stop_ids: expected token ids in \[0, {too_big}\).*found -1, {too_big};"):
+        run_generate(GenerateConfig(model_path=str(tmp_path), prompt="Hello", stop_ids=[2, -1, too_big]))
 
 
 def test_missing_model_path_is_a_pipeline_error(tmp_path: Path) -> None:
