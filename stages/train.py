@@ -93,10 +93,24 @@ OPTIONAL_COLUMNS = ("val_accuracy",)
 
 def write_plots(ctx: StageContext, result: TrainResult) -> None:
     """The DVC plots (and MLflow artifacts): train and val loss, lr and grad norm per step, perplexity per epoch."""
+    history = with_base_row(result)
     for name, columns in PLOT_COLUMNS.items():
-        ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", plot_table(result.history, columns)))
+        ctx.artifact(write_text(ctx.plots_dir / f"{name}.tsv", plot_table(history, columns)))
     if ctx.run is not None:
-        ctx.run.log_figure(loss_figure(result.history), "loss.png")
+        ctx.run.log_figure(loss_figure(history), "loss.png")
+
+
+def with_base_row(result: TrainResult) -> list[dict[str, float]]:
+    """The history, led by a step-0 val row when the loop measured the base first (fine-tunes): the curve
+    then starts at the base model's held-out loss, which is what fine-tuning is judged against."""
+    if result.initial_val_loss is None:
+        return result.history
+    loss = result.initial_val_loss
+    row = {"step": 0.0, "val_loss": loss, "val_ppl": math.exp(loss)}
+    scaled = next((h for h in result.history if "val_bpb" in h and h["val_loss"] > 0), None)
+    if scaled is not None:  # the same bits-per-byte factor as every other val row
+        row["val_bpb"] = loss * scaled["val_bpb"] / scaled["val_loss"]
+    return [row, *result.history]
 
 
 def plot_table(history: list[dict[str, float]], columns: tuple[str, ...]) -> str:
@@ -113,7 +127,8 @@ def loss_figure(history: list[dict[str, float]]) -> Figure:
     """Train and val loss on one chart: MLflow draws one chart per metric key."""
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.add_subplot()
-    ax.plot([h["step"] for h in history], [h["train_loss"] for h in history], label="train_loss", linewidth=1)
+    train = [h for h in history if "train_loss" in h]
+    ax.plot([h["step"] for h in train], [h["train_loss"] for h in train], label="train_loss", linewidth=1)
     val = [h for h in history if "val_loss" in h]
     ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="val_loss")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="train and val loss")

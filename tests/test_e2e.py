@@ -268,6 +268,8 @@ def test_lora_preset_runs_through_every_stage_on_smollm2(project: Path, first_re
     evaluate = json.loads((project / "metrics" / "evaluate.json").read_text())
     assert abs(evaluate["val_loss"] - train["kept_val_loss"]) <= 1e-3  # merged f32 GGUF == base + adapter
     assert abs(evaluate["base_val_loss"] - train["initial_val_loss"]) <= 1e-3  # the base GGUF == step 0
+    val_rows = (project / "plots" / "train" / "val_loss.tsv").read_text().splitlines()
+    assert val_rows[1].split("\t")[:2] == ["0", f"{train['initial_val_loss']:.8g}"]  # the curve starts at the base
     export = project / "models" / "export"
     named = "SmolLM2-135M-Instruct-lora-pydoc-F32.gguf"  # the conventional name beside the stable one
     assert {p.name for p in export.iterdir()} == {"model.gguf", named, "README.md", "adapter.gguf", "peft"}

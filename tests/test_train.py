@@ -24,7 +24,7 @@ from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
 from pipeline.training.runtime import HeapGuard, compile_blocks, keep_freed_memory, resident_bytes, trim_freed_memory
 from pipeline.training.validation import evaluate_loss
-from stages.train import PLOT_COLUMNS, metrics, plot_table
+from stages.train import PLOT_COLUMNS, loss_figure, metrics, plot_table, with_base_row
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
 
@@ -308,6 +308,12 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
     table = plot_table(result.history, PLOT_COLUMNS["val_loss"]).splitlines()
     assert table[0] == "step\tval_loss\tval_ppl\tval_bpb" and len(table) == 3
     assert float(table[2].split("\t")[3]) == pytest.approx(result.final_val_loss * 0.25, rel=1e-6)
+    result.initial_val_loss = 7.0  # a fine-tune measured the base first: its curve starts there, in every unit
+    based = with_base_row(result)
+    table = plot_table(based, PLOT_COLUMNS["val_loss"]).splitlines()
+    assert len(table) == 4 and [float(v) for v in table[1].split("\t")] == pytest.approx([0, 7.0, math.exp(7.0), 1.75])
+    assert plot_table(based, PLOT_COLUMNS["train_loss"]) == plot_table(result.history, PLOT_COLUMNS["train_loss"])
+    assert len(loss_figure(based).axes[0].lines[1].get_xdata()) == 3  # the val line has the step-0 point
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc")
