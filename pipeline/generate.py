@@ -42,7 +42,7 @@ def load_for_generation(
             )
         )
     try:
-        refuse_adapter(path, model_path)
+        refuse_non_model(path, model_path)
         if path.is_dir():  # a fine-tune (base + adapters) brings its base's tokenizer
             model = load_model_dir(path)
             g = GGUFFile(read_spec(path).base if is_finetune_dir(path) else resolve_gguf_path(tokenizer_gguf))
@@ -67,7 +67,7 @@ def load_for_generation(
     return model, tok, g.metadata
 
 
-def refuse_adapter(path: Path, model_path: str) -> None:
+def refuse_non_model(path: Path, model_path: str) -> None:
     """A LoRA adapter given as the model (`model_path=models/export/adapter.gguf` or `.../peft`) is named as
     one, with the `lora=` it belongs in: loading it as a model said a metadata key or config.json was missing.
     Any other folder is named as not a model (the fix was "run the stage that writes it")."""
