@@ -12,8 +12,11 @@ message kept on that line. Not a DVC stage and no MLflow run.
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
+from urllib.parse import urlparse
 
 from pipeline.errors import PipelineError, one_line, problem
 from pipeline.lmeval import lm_eval_module, model_class
@@ -22,10 +25,30 @@ from stages.common import fail
 # What lm-eval raises for a task it cannot build (missing data files, an unknown task or dataset,
 # a malformed task YAML): passed through on one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError)
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+log = logging.getLogger("stages.lmeval")
+
+
+def offline_unless_hub_reachable(timeout: float = 3.0) -> bool:
+    """Without a network, `datasets` retries the Hub for ~40 s before it fails (and before a cached dataset
+    is used at all); one quick connect decides it first. Set before lm-eval imports huggingface_hub and
+    datasets, which read these variables once. Skipped when the user chose (HF_*_OFFLINE) or a proxy is set
+    (the Hub may be reachable only through it). True when it switched to offline."""
+    if any(v in os.environ for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", *PROXY_VARS)):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return False
+    except OSError as e:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        log.warning(f"lmeval: {host} unreachable ({e}): running offline, with cached or local datasets only")
+        return True
 
 
 def run(argv: list[str]) -> None:
     """lm-eval's CLI on `argv` (without the program name), `smollm-gguf` registered first."""
+    offline_unless_hub_reachable()
     model_class()
     harness = lm_eval_module("lm_eval.__main__")
     sys.argv = ["lm_eval", *argv]
@@ -41,14 +64,15 @@ def _where(argv: list[str]) -> str:
 
 
 def main() -> None:
+    argv = sys.argv[1:]  # lm-eval rewrites sys.argv (it inserts its `run` subcommand)
     try:
-        run(sys.argv[1:])
+        run(argv)
     except PipelineError as e:
         fail(str(e))
     except (ConnectionError, TimeoutError, *USER_ERRORS) as e:
         if os.environ.get("SMOLLM_TRACEBACK"):
             raise
-        fail(problem(_where(sys.argv[1:]), *_explain(e)))
+        fail(problem(_where(argv), *_explain(e)))
 
 
 def _explain(e: Exception) -> tuple[str, str, str]:
@@ -58,8 +82,8 @@ def _explain(e: Exception) -> tuple[str, str, str]:
         return (
             "each task's dataset on this machine (cached, or local files)",
             f"no way to download it: {one_line(e, 200)}",
-            "run once where the Hugging Face Hub is reachable (datasets caches it under ~/.cache/huggingface), "
-            "then HF_DATASETS_OFFLINE=1 uses the cache; or a task YAML over local files (--include_path)",
+            "run once where the Hugging Face Hub is reachable (datasets caches it under ~/.cache/huggingface; "
+            "later runs without the Hub use the cache), or a task YAML over local files (--include_path)",
         )
     return (
         "tasks whose data loads and valid arguments",

@@ -290,7 +290,24 @@ def test_a_hub_task_without_a_network_is_one_line_naming_the_download(tiny: Path
     out = cli("--model_args", f"path={tiny}", "--tasks", "hub_mc", "--include_path", str(folder), cwd=ROOT)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert last.startswith("error: lm_eval") and "allenai/ai2_arc" in last and "HF_DATASETS_OFFLINE=1" in last
+    assert last.startswith("error: lm_eval") and "allenai/ai2_arc" in last and "later runs without the Hub use the cache" in last
+    assert " run --model" not in last  # the command as typed, not as lm-eval rewrote it
+
+
+def test_an_unreachable_hub_switches_to_offline_at_once_unless_the_user_chose(monkeypatch) -> None:
+    """Without a network, `datasets` retried the Hub for ~40 s before failing, even for a cached dataset."""
+    from stages.lmeval import offline_unless_hub_reachable
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.nonexistent.invalid")  # RFC 6761: never resolves
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the Hub may be reachable through it: no probe
+    assert not offline_unless_hub_reachable() and "HF_HUB_OFFLINE" not in os.environ
+    monkeypatch.delenv("HTTPS_PROXY")
+    assert offline_unless_hub_reachable()
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's choice stands
+    assert not offline_unless_hub_reachable() and os.environ["HF_HUB_OFFLINE"] == "0"
 
 
 def test_without_lm_eval_the_command_names_the_extra_to_install() -> None:
