@@ -28,6 +28,7 @@ from lm_eval.api.registry import Registry  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from pipeline.lmeval import MODEL_NAME, model_class  # noqa: E402
+from stages.lmeval import offline_unless_hub_reachable  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -297,8 +298,6 @@ def test_a_hub_task_without_a_network_is_one_line_naming_the_download(tiny: Path
 
 def test_an_unreachable_hub_switches_to_offline_at_once_unless_the_user_chose(monkeypatch) -> None:
     """Without a network, `datasets` retried the Hub for ~40 s before failing, even for a cached dataset."""
-    from stages.lmeval import offline_unless_hub_reachable
-
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.nonexistent.invalid")  # RFC 6761: never resolves
