@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 import pipeline.report.build
 from pipeline.report import ReportInputs, build_report, read_outputs, write_report
 from pipeline.report.environment import environment
+from pipeline.report.outputs import Outputs
 from pipeline.report.render import markdown, page
 from pipeline.report.runs import compare
 from pipeline.tracking import VAL_DATA_TAG, RunRecord, Tracker, stage_runs
@@ -28,7 +29,7 @@ EVALUATE = {"val_loss": 2.794254, "val_ppl": 16.3504, "val_bpb": 0.940714, "dono
 TRAIN = {"final_val_loss": 2.794254, "kept_val_loss": 2.794254, "kept_val_bpb": 0.940714, "steps": 4.0, "seconds": 9.5}
 METRICS = {
     "pack": {"documents": 79.0, "tokens": 112956.0},
-    "donor": {"components": 32.0, "explained_variance_total": 0.625},
+    "donor": {"components": 2.0, "explained_variance_total": 0.625},
     "realize": {"parameters": 28316544.0},
     "train": TRAIN,
     "export": {"file_bytes": 115039008.0, "tensors": 56.0},
@@ -94,6 +95,29 @@ def test_report_has_every_section_number_and_chart_and_no_external_url(tmp_path:
     assert len(pngs) == 6 and all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
     assert not re.search(r"(?:src|href)=\"(?!data:|#)", html) and "http://" not in html and "https://" not in html
     assert "<script" not in html and "data:image" not in md
+
+
+def test_the_donor_section_says_how_many_residual_directions_subclone_kept() -> None:
+    """subclone plots its residual stream's basis over the donor's whole width (cumulative 100%) and
+    keeps model.d_model directions: the report said '576 kept principal components of the donor's
+    embedding table hold 100.0%' where metrics/donor.json had 384 kept at 96.0%."""
+    rows = [{"component": i, "explained_variance_ratio": 0.25, "cumulative": 0.25 * i} for i in range(1, 5)]
+    calibrated = {"calibration_tokens": 16384.0, "components": 3.0, "explained_variance_total": 0.75}
+    section = pipeline.report.build.donor(
+        Outputs(metrics={"donor": calibrated}, plots={"donor/explained_variance": rows})
+    )
+    assert section is not None and len(section.figures) == 1
+    kept = "The 3 kept principal directions of the donor's residual stream (of 4, the donor's width) hold 75.0%"
+    assert section.text == [f"{kept} of its variance."]
+    pca = pipeline.report.build.donor(
+        Outputs(
+            metrics={"donor": {"components": 4.0, "explained_variance_total": 1.0}},
+            plots={"donor/explained_variance": rows},
+        )
+    )
+    assert pca is not None and pca.text[0].startswith(
+        "The 4 kept principal directions of the donor's embedding table hold"
+    )
 
 
 def test_runs_measured_on_another_val_split_are_listed_but_not_charted(

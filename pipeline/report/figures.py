@@ -57,13 +57,16 @@ def series_chart(rows: Rows, column: str, title: str, ylabel: str, log: bool = F
     return Figure(column, title[:1].upper() + title[1:], to_png(fig))
 
 
-def variance_chart(rows: Rows) -> Figure:
-    """The donor embedding's PCA: how much of the table the kept components hold."""
-    fig, ax = _axes("donor embedding PCA", "component", "explained variance")
+def variance_chart(rows: Rows, what: str = "embedding table", kept: int = 0) -> Figure:
+    """The donor's PCA (`what`: its embedding table, or subclone's residual stream): how much the
+    components hold, with a line at the `kept` ones where fewer are kept than plotted."""
+    fig, ax = _axes(f"donor {what} PCA", "component", "explained variance")
     xs, ratio = _xy(rows, "component", "explained_variance_ratio")
     _, cumulative = _xy(rows, "component", "cumulative")
     ax.plot(xs, cumulative, label="cumulative", linewidth=1.5)
     ax.plot(xs, ratio, label="per component", linewidth=1)
+    if 0 < kept < len(xs):
+        ax.axvline(kept, color="grey", linestyle="--", linewidth=1, label=f"kept: {kept}")
     ax.set_ylim(0, 1.02)
     ax.legend()
     fig.tight_layout()
