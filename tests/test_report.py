@@ -17,6 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import pipeline.report.build
+import pipeline.report.figures
 from pipeline.report import ReportInputs, build_report, read_outputs, write_report
 from pipeline.report.environment import environment
 from pipeline.report.outputs import Outputs
@@ -118,6 +119,19 @@ def test_the_donor_section_says_how_many_residual_directions_subclone_kept() -> 
     assert pca is not None and pca.text[0].startswith(
         "The 4 kept principal directions of the donor's embedding table hold"
     )
+
+
+def test_a_short_runs_step_axis_has_whole_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 steps logged every 10: matplotlib's own ticks were 2.5, 7.5, ... (no such step)."""
+    drawn = []
+    monkeypatch.setattr(pipeline.report.figures, "to_png", lambda fig: drawn.append(fig) or b"")
+    train = [{"step": s, "train_loss": 9.0 - s / 10} for s in (1, 10, 20)]
+    pipeline.report.figures.loss_chart(train, [{"step": 20, "val_loss": 6.8}])
+    pipeline.report.figures.series_chart(train, "train_loss", "loss", "loss")
+    for fig in drawn:
+        fig.canvas.draw()
+        ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 20]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def test_runs_measured_on_another_val_split_are_listed_but_not_charted(

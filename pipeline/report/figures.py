@@ -7,6 +7,7 @@ import io
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure as MplFigure
+from matplotlib.ticker import MaxNLocator
 
 from pipeline.report.content import Figure
 
@@ -15,6 +16,7 @@ DPI = 100
 THIS_RUN = "#d62728"
 SAME_RECIPE = "#1f77b4"
 OTHER_RECIPE = "#aec7e8"
+COUNTED = ("step", "component", "epoch")  # x axes of whole numbers: ticks only at integers
 
 
 def to_png(fig: MplFigure) -> bytes:
@@ -27,6 +29,8 @@ def _axes(title: str, xlabel: str, ylabel: str, size: tuple[float, float] = (7, 
     fig = MplFigure(figsize=size, dpi=DPI)
     ax = fig.add_subplot()
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if xlabel in COUNTED:  # a short run's axis would otherwise read "step 2.5"
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     return fig, ax
 
