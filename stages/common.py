@@ -32,7 +32,7 @@ from pipeline.files import fingerprint, write_json, write_text
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, project_root
 from stages import output
-from stages.overrides import check_overrides, forget_unknown_key
+from stages.overrides import check_overrides, forget_unknown_key, unknown_key_message
 from stages.runs import open_run
 from stages.signals import restore_sigterm, stop_on_sigterm, stopped
 
@@ -239,7 +239,7 @@ def structured_config(schema: type[T], cfg: DictConfig, source: str = "params.ya
         where = "conf/ or params.yaml" if source == "params.yaml" else source
         message = f"config key {key}: {msg}; fix: correct {key} in {where}"
         if isinstance(e, ConfigKeyError) and key != "?":
-            raise UnknownKeyError(message, key) from None
+            raise UnknownKeyError(unknown_key_message(OmegaConf.structured(schema), key, where), key) from None
         raise ConfigError(mistyped(schema, cfg, key) or message) from None
 
 
