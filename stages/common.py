@@ -33,7 +33,7 @@ from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, project_root
 from stages import output
 from stages.overrides import check_overrides, forget_unknown_key, unknown_key_message
-from stages.runs import open_run
+from stages.runs import open_run, summarize_parent
 from stages.signals import restore_sigterm, stop_on_sigterm, stopped
 
 CONFIG_PATH = "../conf"
@@ -347,6 +347,7 @@ def run_stage(
     try:
         metrics = body(ctx)
         _write_results(ctx, cfg, metrics, primary)
+        summarize_parent(parent, stage, metrics)
         status = "FINISHED"
     except PipelineError as e:
         status = getattr(e, "mlflow_status", "FAILED")
