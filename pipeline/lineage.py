@@ -24,7 +24,12 @@ from pipeline.files import sha256_file
 from pipeline.inputs import read_record
 from pipeline.modeldir import REALIZE_FILE, read_realize
 
-FIX = "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), or set {key}={recorded} to use them"
+# A hand run composes conf/ afresh; the workspace's params.yaml is what `dvc repro` / `dvc exp run` made the
+# inputs with, so running on it is the one-step fix (setting the one key may only reveal the next).
+FIX = (
+    "rebuild the inputs with `dvc repro` (or `dvc exp run -S {key}={value}`), run this stage on the workspace's"
+    " config (`--config-dir . --config-name params`), or set {key}={recorded} to use them"
+)
 
 
 def mismatch(key: str, recorded: Any, configured: Any, record: Path) -> ConfigError:
@@ -79,6 +84,8 @@ def check_teach(cfg: PipelineConfig, teach_dir: Path, packed_dir: Path, inputs_d
     if not d.enabled:
         return {}
     meta, record = read_teach_meta(teach_dir), Path(teach_dir) / TEACH_META
+    if meta.mode == "off":  # made with weight 0: the key to name is the weight (mode has no value 'off')
+        raise mismatch("train.distill.weight", 0.0, d.weight, record)
     if meta.mode != d.mode:
         raise mismatch("train.distill.mode", meta.mode, d.mode, record)
     donor = read_record(inputs_dir)

@@ -32,8 +32,8 @@ from pipeline.files import fingerprint, write_json, write_text
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, project_root
 from stages import output
-from stages.overrides import check_overrides, forget_unknown_key
-from stages.runs import open_run
+from stages.overrides import check_overrides, forget_unknown_key, unknown_key_message
+from stages.runs import open_run, summarize_parent
 from stages.signals import restore_sigterm, stop_on_sigterm, stopped
 
 CONFIG_PATH = "../conf"
@@ -239,7 +239,7 @@ def structured_config(schema: type[T], cfg: DictConfig, source: str = "params.ya
         where = "conf/ or params.yaml" if source == "params.yaml" else source
         message = f"config key {key}: {msg}; fix: correct {key} in {where}"
         if isinstance(e, ConfigKeyError) and key != "?":
-            raise UnknownKeyError(message, key) from None
+            raise UnknownKeyError(unknown_key_message(OmegaConf.structured(schema), key, where), key) from None
         raise ConfigError(mistyped(schema, cfg, key) or message) from None
 
 
@@ -347,6 +347,7 @@ def run_stage(
     try:
         metrics = body(ctx)
         _write_results(ctx, cfg, metrics, primary)
+        summarize_parent(parent, stage, metrics)
         status = "FINISHED"
     except PipelineError as e:
         status = getattr(e, "mlflow_status", "FAILED")

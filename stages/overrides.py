@@ -11,6 +11,7 @@ each stage's `params` (a test keeps the two equal).
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,20 @@ def unread_message(stage: str, ignored: list[str], task: list[str]) -> str:
 
 def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~") if "=" in override else ""
+
+
+def unknown_key_message(schema: DictConfig, key: str, where: str) -> str:
+    """A key the schema lacks (`-S +optim.lrr=1`) in the shape of every other refusal, naming the nearest
+    key of its section: OmegaConf's own words ("Key 'lrr' not in 'OptimConfig'") said neither."""
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(schema, section, default=None) if section else schema
+    near = difflib.get_close_matches(name, list(node.keys()), n=1) if isinstance(node, DictConfig) else []
+    meant = f" (did you mean {section + '.' if section else ''}{near[0]}?)" if near else ""
+    listing = " (`python -m stages.compose` prints every key)" if "params.yaml" in where else ""  # the pipeline's
+    return (
+        f"config key {key}: expected a key of the config, found none of that name{meant}; "
+        f"fix: correct {key} in {where}{listing}"
+    )
 
 
 def forget_unknown_key(key: str) -> str:

@@ -156,3 +156,17 @@ def open_run(
     run = tracker.start(name, tags, parent_run_id=None if parent is None else parent.run_id)
     run.log_params(resolved)
     return run, parent
+
+
+# What a pipeline's parent run repeats from its evaluate child: the run list shows parents collapsed,
+# one per `dvc repro` / `dvc exp run`, so these are what puts experiments side by side at a glance.
+HEADLINE = ("val_loss", "val_ppl", "val_bpb", "gap_to_donor", "gap_closed", "val_accuracy")
+
+
+def summarize_parent(parent: Run | None, stage: str, metrics: dict[str, float]) -> None:
+    """The evaluate stage's headline metrics on its pipeline's parent run, under the child's names
+    (`summary/val_loss`: one column of the run list shows both). A sweep's parent is left alone: its
+    jobs differ, and one value per metric would be the last job's."""
+    if parent is None or stage != "evaluate" or sweep_job() is not None:
+        return
+    parent.log_metrics({f"summary/{k}": float(v) for k, v in metrics.items() if k in HEADLINE}, step=0)

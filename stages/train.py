@@ -177,9 +177,11 @@ def bpb(result: TrainResult, bits_per_token: float | None) -> dict[str, float]:
 
 def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:
     """The config must be what data/packed and models/init were made with; a distillation's
-    data/teach must be of that data and the donor data/inputs recorded."""
-    teach = check_teach(cfg, paths.teach, paths.packed, paths.inputs)
-    return {**check_packed(cfg, paths.packed), **check_init(cfg, paths.init), **teach}
+    data/teach must be of that data and the donor data/inputs recorded. Data and init are checked
+    first: a hand run on another recipe's inputs is named by its recipe (the cause), not by the
+    teach cache that recipe made differently (a symptom)."""
+    tags = {**check_packed(cfg, paths.packed), **check_init(cfg, paths.init)}
+    return {**tags, **check_teach(cfg, paths.teach, paths.packed, paths.inputs)}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)

@@ -127,7 +127,11 @@ def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
         ("optim.lrr=1", "error: config key optim.lrr: expected a key of the config"),
         ("recipe=lorra", "error: config group recipe: expected one of distill, from-scratch, full-finetune, lora"),
         ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2'"),
-        ("+optim.lrr=1", "error: config key optim.lrr"),
+        (  # OmegaConf said "Key 'lrr' not in 'OptimConfig'": no expected/found, no key to use
+            "+optim.lrr=1",
+            "error: config key optim.lrr: expected a key of the config, found none of that name "
+            "(did you mean optim.lr?); fix: correct optim.lrr in conf/ or params.yaml",
+        ),
     ],
 )
 def test_hydras_own_refusals_are_one_named_line_and_exit_2(override: str, start: str) -> None:

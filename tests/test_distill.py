@@ -268,6 +268,11 @@ def test_train_refuses_a_cache_of_other_data_or_donor_or_too_small_a_k(project: 
     online = replace(TCFG, distill=replace(DISTILL, mode="online"))
     with pytest.raises(ConfigError, match="config key train.distill.mode: expected 'cached'"):
         check_teach(PipelineConfig(train=online), project.teach, project.packed, project.inputs)
+    (stale / META_FILE).write_text(json.dumps({**meta, "mode": "off"}))  # teach ran with distillation off
+    with pytest.raises(ConfigError) as err:  # the fix must be a value the config takes (mode has no 'off')
+        check_teach(cfg, stale, project.packed, project.inputs)
+    assert str(err.value).startswith("config key train.distill.weight: expected 0.0, what ")
+    assert "found 0.5" in str(err.value) and "or set train.distill.weight=0.0 to use them" in str(err.value)
     (stale / META_FILE).write_text(json.dumps({**meta, "mode": "online"}))
     with pytest.raises(ConfigError, match="config key donor.path: expected '.*donor.gguf'"):  # not the recorded file
         check_teach(PipelineConfig(train=online), stale, project.packed, project.inputs)
@@ -278,6 +283,24 @@ def test_train_refuses_a_cache_of_other_data_or_donor_or_too_small_a_k(project: 
     data = load_split(project.packed, "train"), load_split(project.packed, "val")
     with pytest.raises(ConfigError, match="train.distill.top_k: expected at most 8"):
         train(model, *data, wide.train, OptimConfig(), 0, progress=False, teacher=TeacherCache(project.teach))
+
+
+def test_a_hand_run_on_another_recipe_names_the_init_before_the_teach_cache(project: Project, tmp_path: Path) -> None:
+    """`dvc exp run -S recipe=from-scratch` (no distillation), then a hand-run train on the default
+    (distilling) config: the error names the recipe the inputs were made with, the cause, rather
+    than the teach cache that the from-scratch run did not need."""
+    from stages.common import Paths
+    from stages.train import lineage
+
+    root = tmp_path / "project"
+    shutil.copytree(project.root / "data", root / "data")
+    (root / "models" / "init").mkdir(parents=True)
+    (root / "models" / "init" / "realize.json").write_text(json.dumps({"recipe": "from-scratch", "init": "scratch"}))
+    meta = json.loads((root / "data" / "teach" / META_FILE).read_text())
+    (root / "data" / "teach" / META_FILE).write_text(json.dumps({**meta, "mode": "off"}))
+    cfg = PipelineConfig(data=DataConfig(val_fraction=0.25), train=TCFG)
+    with pytest.raises(ConfigError, match=r"^config key recipe.init: expected 'scratch', what "):
+        lineage(cfg, Paths(root))
 
 
 def run_distill(project: Project, tcfg: TrainConfig, ckpt_dir: Path):

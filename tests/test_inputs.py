@@ -98,6 +98,7 @@ def test_lineage_names_the_key_both_values_and_the_fix(tmp_path: Path) -> None:
     message = str(err.value)
     assert message.startswith("config key recipe.init: expected 'scratch', what ") and "found 'pca'" in message
     assert "dvc repro" in message and "or set recipe.init=scratch to use them" in message and "\n" not in message
+    assert "run this stage on the workspace's config (`--config-dir . --config-name params`)" in message
     wider = replace(scratch, model=replace(cfg.model, d_model=256, n_head=8, n_kv_head=2))
     with pytest.raises(PipelineError, match="config key model.d_model: expected 192"):
         check_init(wider, tmp_path)

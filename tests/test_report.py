@@ -17,8 +17,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import pipeline.report.build
+import pipeline.report.figures
 from pipeline.report import ReportInputs, build_report, read_outputs, write_report
 from pipeline.report.environment import environment
+from pipeline.report.outputs import Outputs
 from pipeline.report.render import markdown, page
 from pipeline.report.runs import compare
 from pipeline.tracking import VAL_DATA_TAG, RunRecord, Tracker, stage_runs
@@ -28,7 +30,7 @@ EVALUATE = {"val_loss": 2.794254, "val_ppl": 16.3504, "val_bpb": 0.940714, "dono
 TRAIN = {"final_val_loss": 2.794254, "kept_val_loss": 2.794254, "kept_val_bpb": 0.940714, "steps": 4.0, "seconds": 9.5}
 METRICS = {
     "pack": {"documents": 79.0, "tokens": 112956.0},
-    "donor": {"components": 32.0, "explained_variance_total": 0.625},
+    "donor": {"components": 2.0, "explained_variance_total": 0.625},
     "realize": {"parameters": 28316544.0},
     "train": TRAIN,
     "export": {"file_bytes": 115039008.0, "tensors": 56.0},
@@ -94,6 +96,42 @@ def test_report_has_every_section_number_and_chart_and_no_external_url(tmp_path:
     assert len(pngs) == 6 and all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
     assert not re.search(r"(?:src|href)=\"(?!data:|#)", html) and "http://" not in html and "https://" not in html
     assert "<script" not in html and "data:image" not in md
+
+
+def test_the_donor_section_says_how_many_residual_directions_subclone_kept() -> None:
+    """subclone plots its residual stream's basis over the donor's whole width (cumulative 100%) and
+    keeps model.d_model directions: the report said '576 kept principal components of the donor's
+    embedding table hold 100.0%' where metrics/donor.json had 384 kept at 96.0%."""
+    rows = [{"component": i, "explained_variance_ratio": 0.25, "cumulative": 0.25 * i} for i in range(1, 5)]
+    calibrated = {"calibration_tokens": 16384.0, "components": 3.0, "explained_variance_total": 0.75}
+    section = pipeline.report.build.donor(
+        Outputs(metrics={"donor": calibrated}, plots={"donor/explained_variance": rows})
+    )
+    assert section is not None and len(section.figures) == 1
+    kept = "The 3 kept principal directions of the donor's residual stream (of 4, the donor's width) hold 75.0%"
+    assert section.text == [f"{kept} of its variance."]
+    pca = pipeline.report.build.donor(
+        Outputs(
+            metrics={"donor": {"components": 4.0, "explained_variance_total": 1.0}},
+            plots={"donor/explained_variance": rows},
+        )
+    )
+    assert pca is not None and pca.text[0].startswith(
+        "The 4 kept principal directions of the donor's embedding table hold"
+    )
+
+
+def test_a_short_runs_step_axis_has_whole_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 steps logged every 10: matplotlib's own ticks were 2.5, 7.5, ... (no such step)."""
+    drawn = []
+    monkeypatch.setattr(pipeline.report.figures, "to_png", lambda fig: drawn.append(fig) or b"")
+    train = [{"step": s, "train_loss": 9.0 - s / 10} for s in (1, 10, 20)]
+    pipeline.report.figures.loss_chart(train, [{"step": 20, "val_loss": 6.8}])
+    pipeline.report.figures.series_chart(train, "train_loss", "loss", "loss")
+    for fig in drawn:
+        fig.canvas.draw()
+        ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 20]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def test_runs_measured_on_another_val_split_are_listed_but_not_charted(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.tracking import Tracker, default_tracking_uri, is_local_store, project_root
+from stages.runs import summarize_parent
 
 WORKERS = 4
 
@@ -180,3 +181,19 @@ def test_a_stage_stopped_by_a_signal_is_one_line_a_killed_run_and_no_output(
     (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
     assert run.info.status == "KILLED"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def test_a_pipelines_parent_run_carries_its_evaluate_headline() -> None:
+    """The run list shows each `dvc exp run` as a collapsed parent: without evaluate's numbers on it,
+    two experiments could not be compared without expanding each (the parent had params, no metrics)."""
+    logged: list[dict[str, float]] = []
+
+    class Parent:
+        def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+            logged.append(metrics)
+
+    headline = {"val_loss": 2.5, "val_bpb": 0.9, "kept_step": 40.0, "gap_to_donor": -0.4}
+    summarize_parent(Parent(), "train", {"final_val_loss": 2.5})  # type: ignore[arg-type]
+    summarize_parent(Parent(), "evaluate", headline)  # type: ignore[arg-type]
+    summarize_parent(None, "evaluate", headline)
+    assert logged == [{"summary/val_loss": 2.5, "summary/val_bpb": 0.9, "summary/gap_to_donor": -0.4}]

@@ -96,14 +96,19 @@ def training(out: Outputs) -> Section | None:
 
 
 def donor(out: Outputs) -> Section | None:
+    """What the donor stage measured. The PCA recipes keep every row of the plot (the embedding table's
+    components); subclone plots its residual stream's basis over the donor's whole width and keeps
+    `model.d_model` directions, so the kept count and share come from metrics/donor.json, not the plot."""
     rows = out.plot("donor/explained_variance")
     if not rows:
         return None
-    total = rows[-1].get("cumulative")
-    text = [
-        f"The {len(rows)} kept principal components of the donor's embedding table hold {total:.1%} of its variance."
-    ]
-    return Section("Donor", text, figures=[variance_chart(rows)])
+    metrics = out.metrics.get("donor", {})
+    what = "residual stream" if "calibration_tokens" in metrics else "embedding table"
+    kept = int(metrics.get("components", len(rows)))
+    total = metrics.get("explained_variance_total", rows[-1].get("cumulative"))
+    width = f" (of {len(rows)}, the donor's width)" if kept != len(rows) else ""
+    text = [f"The {kept} kept principal directions of the donor's {what}{width} hold {total:.1%} of its variance."]
+    return Section("Donor", text, figures=[variance_chart(rows, what, kept)])
 
 
 def comparison(inp: ReportInputs) -> Section:

@@ -7,6 +7,7 @@ import io
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure as MplFigure
+from matplotlib.ticker import MaxNLocator
 
 from pipeline.report.content import Figure
 
@@ -15,6 +16,7 @@ DPI = 100
 THIS_RUN = "#d62728"
 SAME_RECIPE = "#1f77b4"
 OTHER_RECIPE = "#aec7e8"
+COUNTED = ("step", "component", "epoch")  # x axes of whole numbers: ticks only at integers
 
 
 def to_png(fig: MplFigure) -> bytes:
@@ -27,6 +29,8 @@ def _axes(title: str, xlabel: str, ylabel: str, size: tuple[float, float] = (7, 
     fig = MplFigure(figsize=size, dpi=DPI)
     ax = fig.add_subplot()
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if xlabel in COUNTED:  # a short run's axis would otherwise read "step 2.5"
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     return fig, ax
 
@@ -57,13 +61,16 @@ def series_chart(rows: Rows, column: str, title: str, ylabel: str, log: bool = F
     return Figure(column, title[:1].upper() + title[1:], to_png(fig))
 
 
-def variance_chart(rows: Rows) -> Figure:
-    """The donor embedding's PCA: how much of the table the kept components hold."""
-    fig, ax = _axes("donor embedding PCA", "component", "explained variance")
+def variance_chart(rows: Rows, what: str = "embedding table", kept: int = 0) -> Figure:
+    """The donor's PCA (`what`: its embedding table, or subclone's residual stream): how much the
+    components hold, with a line at the `kept` ones where fewer are kept than plotted."""
+    fig, ax = _axes(f"donor {what} PCA", "component", "explained variance")
     xs, ratio = _xy(rows, "component", "explained_variance_ratio")
     _, cumulative = _xy(rows, "component", "cumulative")
     ax.plot(xs, cumulative, label="cumulative", linewidth=1.5)
     ax.plot(xs, ratio, label="per component", linewidth=1)
+    if 0 < kept < len(xs):
+        ax.axvline(kept, color="grey", linestyle="--", linewidth=1, label=f"kept: {kept}")
     ax.set_ylim(0, 1.02)
     ax.legend()
     fig.tight_layout()
