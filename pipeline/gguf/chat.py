@@ -298,7 +298,23 @@ _UNSAFE = "do not use this model file's chat template (it may be malicious); ren
 _FIX = "fix the template in the GGUF, or use chat=false and write the prompt yourself"
 
 
-CHAT_END_TOKEN = "<|im_end|>"  # ChatML's end of turn: a stop id for chat when the vocabulary has it
+# llama.cpp's end-of-generation tokens by spelling (llama-vocab.cpp): the turn ends of ChatML, Llama 3,
+# Phi-3, Gemma and others. A chat template closes each turn with one of them, and a donor's EOS is
+# often another (Llama 3: `<|end_of_text|>` vs the template's `<|eot_id|>`), so chat stops at any.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+)
 
 
 def render_messages(
@@ -311,9 +327,10 @@ def render_messages(
 
 
 def default_stop_ids(tok: GGUFTokenizer, chat: bool) -> tuple[int, ...]:
-    """EOS, and for chat the end-of-turn token when the vocabulary has one."""
+    """EOS, and for chat every end-of-turn token llama.cpp stops at: the file's eot/eom ids and the
+    vocabulary's tokens spelled as in `END_OF_TURN_TOKENS`."""
     stops = [tok.eos_id] if tok.eos_id is not None else []
-    end_turn = tok.token_to_id(CHAT_END_TOKEN) if chat else None
-    if end_turn is not None and end_turn not in stops:
-        stops.append(end_turn)
-    return tuple(stops)
+    if chat:
+        spelled = (tok.token_to_id(t) for t in END_OF_TURN_TOKENS)
+        stops += [i for i in (*tok.end_of_turn_ids, *spelled) if i is not None]
+    return tuple(dict.fromkeys(stops))

@@ -58,6 +58,7 @@ class GGUFTokenizer:
     eos_id: int | None
     unk_id: int | None
     pad_id: int | None
+    end_of_turn_ids: tuple[int, ...]
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
@@ -80,6 +81,8 @@ class GGUFTokenizer:
         self.eos_id = self._special_id(metadata, "tokenizer.ggml.eos_token_id", defaults[1])
         self.unk_id = self._special_id(metadata, "tokenizer.ggml.unknown_token_id", defaults[2])
         self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
+        ends = (self._special_id(metadata, f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))
+        self.end_of_turn_ids = tuple(i for i in ends if i is not None)  # llama.cpp stops at them too
         self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
         self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
         self._pre_tokenizer = pre
