@@ -16,7 +16,7 @@ from pipeline.chat import ChatSession, common_prefix
 from pipeline.config import ChatConfig
 from pipeline.errors import ConfigError
 from pipeline.generate import load_for_generation
-from pipeline.gguf.chat import default_stop_ids
+from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_messages
 from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.modeldir import save_model_dir
 from pipeline.models.base import TransformerConfig, init_weights
@@ -207,3 +207,25 @@ def test_chat_stops_at_the_end_of_turn_token_llama_cpp_stops_at_not_only_eos() -
     assert default_stop_ids(tok, chat=False) == (1,)
     declared = _llama3_style_tokenizer({"tokenizer.ggml.eot_token_id": 3})  # the file names its own
     assert default_stop_ids(declared, chat=True) == (1, 3, 2)
+
+
+NO_SYSTEM_TEMPLATE = (  # Mistral's: user and assistant turns only
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_template_without_a_system_role_says_to_leave_the_system_message_out() -> None:
+    """Before: 'found an error: Only user and assistant roles are supported!; fix: fix the template in
+    the GGUF, or use chat=false', though the conversation renders once system= is left out."""
+    tok = _llama3_style_tokenizer()
+    user = {"role": "user", "content": "a"}
+    assert render_messages(tok, NO_SYSTEM_TEMPLATE, [user], True) == "<|begin_of_text|>[INST] a [/INST]"
+    with pytest.raises(ChatTemplateError, match="takes a system message") as info:
+        render_messages(tok, NO_SYSTEM_TEMPLATE, [{"role": "system", "content": "b"}, user], True)
+    assert "system=''" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ChatTemplateError, match="roles are supported"):  # another role: the template's own error
+        render_messages(
+            tok, NO_SYSTEM_TEMPLATE, [{"role": "system", "content": "b"}, {"role": "tool", "content": "c"}], True
+        )

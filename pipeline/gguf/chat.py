@@ -323,7 +323,23 @@ def render_messages(
     """`render_chat` with the tokenizer's own BOS/EOS texts, as the template expects them."""
     bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
     eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
-    return render_chat(template, messages, bos, eos, add_generation_prompt=add_generation_prompt)
+    try:
+        return render_chat(template, messages, bos, eos, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError:
+        plain = [m for m in messages if m.get("role") != "system"]
+        if len(plain) == len(messages):
+            raise
+        render_chat(template, plain, bos, eos, add_generation_prompt=add_generation_prompt)  # raises if not that
+        raise ChatTemplateError(problem("tokenizer.chat_template", *_NO_SYSTEM)) from None
+
+
+# Many templates (Mistral, Gemma, Llama 2 variants) raise on a system turn: the user's way out is to drop it.
+_NO_SYSTEM = (
+    "a template that takes a system message",
+    "one that refuses it (it renders the same conversation without the system message)",
+    "leave the system message out (chat/generate: system=''; instruction data: its system turns) or put it "
+    "into the first user message",
+)
 
 
 def default_stop_ids(tok: GGUFTokenizer, chat: bool) -> tuple[int, ...]:
