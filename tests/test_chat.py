@@ -16,7 +16,8 @@ from pipeline.chat import ChatSession, common_prefix
 from pipeline.config import ChatConfig
 from pipeline.errors import ConfigError
 from pipeline.generate import load_for_generation
-from pipeline.gguf.chat import default_stop_ids
+from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_messages
+from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.modeldir import save_model_dir
 from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.decode import for_decoding
@@ -186,3 +187,45 @@ def test_conf_chat_yaml_matches_the_schema() -> None:
     on_disk.model_path = "smollm2"
     assert isinstance(structured_config(ChatConfig, on_disk), ChatConfig)
     assert set(on_disk) == set(ChatConfig.__dataclass_fields__)
+
+
+def _llama3_style_tokenizer(extra: dict | None = None) -> GGUFTokenizer:
+    """A byte-level vocabulary whose EOS is `<|end_of_text|>` while its turns end with `<|eot_id|>`, as
+    many Llama 3 Instruct GGUFs are written."""
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<turn_end>", *"abc"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": tokens}
+    meta |= {"tokenizer.ggml.token_type": [3, 3, 3, 3, 1, 1, 1], "tokenizer.ggml.merges": []}
+    meta |= {"tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+    return GGUFTokenizer(meta | (extra or {}), "llama3.gguf")
+
+
+def test_chat_stops_at_the_end_of_turn_token_llama_cpp_stops_at_not_only_eos() -> None:
+    """A Llama 3 style donor: before, chat/generate chat=true ran past `<|eot_id|>` to max_new_tokens
+    (only EOS and ChatML's `<|im_end|>` stopped it); llama.cpp stops there, and now so do we."""
+    tok = _llama3_style_tokenizer()
+    assert default_stop_ids(tok, chat=True) == (1, 2)
+    assert default_stop_ids(tok, chat=False) == (1,)
+    declared = _llama3_style_tokenizer({"tokenizer.ggml.eot_token_id": 3})  # the file names its own
+    assert default_stop_ids(declared, chat=True) == (1, 3, 2)
+
+
+NO_SYSTEM_TEMPLATE = (  # Mistral's: user and assistant turns only
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_template_without_a_system_role_says_to_leave_the_system_message_out() -> None:
+    """Before: 'found an error: Only user and assistant roles are supported!; fix: fix the template in
+    the GGUF, or use chat=false', though the conversation renders once system= is left out."""
+    tok = _llama3_style_tokenizer()
+    user = {"role": "user", "content": "a"}
+    assert render_messages(tok, NO_SYSTEM_TEMPLATE, [user], True) == "<|begin_of_text|>[INST] a [/INST]"
+    with pytest.raises(ChatTemplateError, match="takes a system message") as info:
+        render_messages(tok, NO_SYSTEM_TEMPLATE, [{"role": "system", "content": "b"}, user], True)
+    assert "system=''" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ChatTemplateError, match="roles are supported"):  # another role: the template's own error
+        render_messages(
+            tok, NO_SYSTEM_TEMPLATE, [{"role": "system", "content": "b"}, {"role": "tool", "content": "c"}], True
+        )

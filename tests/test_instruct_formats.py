@@ -15,6 +15,7 @@ from pipeline.errors import DataError
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.losses import IGNORE_INDEX
+from tests.test_tokenizer import spm_gguf
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -135,3 +136,31 @@ def test_instruct_pack_reads_alpaca_and_sharegpt_files(tmp_path: Path, smollm2_p
         DataConfig(source="instruct", path=str(path), val_fraction=0.2), smollm2_path, tmp_path / "p"
     )
     assert meta.documents == {"train": 8, "val": 2} and metrics["label_tokens_train"] > 0
+
+
+LLAMA2_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'].strip() + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'].strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("template", ["chat", "plain"])
+def test_a_sentencepiece_answer_has_the_ids_of_the_whole_conversation(tmp_path: Path, template: str) -> None:
+    """A SentencePiece donor (Llama 2, Mistral, TinyLlama): llama.cpp adds the space prefix only at the
+    start of the text and after a special token. Before, an answer tokenized apart from its prompt
+    began with a stray '▁' (learned, then emitted after every `[/INST]`); now prompt + answer ids are
+    the ids of the whole rendering, for one answer and for every turn."""
+    tok = tokenizer_from_gguf(GGUFFile(spm_gguf(tmp_path / "spm.gguf")))
+    meta = {"tokenizer.chat_template": LLAMA2_TEMPLATE} if template == "chat" else {}
+    fmt = Formatter(tok, meta, DataConfig(template=template))
+    ex = Example((user("hello world"), {"role": "assistant", "content": "world"}, user("hé")), "hello world", "t")
+    prompt, response = fmt.encode(ex)
+    first, rest, _ = fmt.encode_turns(ex)
+    if template == "chat":  # the ids llama.cpp gives the rendered conversation
+        assert prompt + response == tok.encode("".join(fmt.texts(ex)))
+        assert first + rest == tok.encode("".join(text for text, _ in turn_texts(fmt, ex)))
+        assert tok.id_to_token(response[0]) == "▁hello"
+    else:  # cut after the prompt's trailing space: the answer's text follows it with no space added
+        assert tok.decode(prompt + response) == "".join(fmt.texts(ex))
+        assert rest[-len(response) :] == response  # the last turn, as one answer has it

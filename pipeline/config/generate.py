@@ -31,7 +31,7 @@ class GenerateConfig:
     repetition_penalty: float = 1.0  # 1 disables
     repetition_last_n: int = 64  # tokens the penalty looks back over; 0 none, -1 the whole context
     stop: list[str] = field(default_factory=list)  # stop strings (trimmed from the completion)
-    stop_ids: list[int] | None = None  # None: EOS (+ <|im_end|> with chat); [] for none
+    stop_ids: list[int] | None = None  # None: EOS (+ end-of-turn tokens with chat); [] for none
     seed: int = 0
     cache: bool = True  # false recomputes the whole window every token (for checking the cache)
     precision: str = "int8"  # int8 | int4 (CPU) | bf16 | fp32 weights (pipeline.models.decode)

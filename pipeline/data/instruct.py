@@ -24,7 +24,7 @@ from pipeline.data.packed import Packed
 from pipeline.data.readers import iter_lines, load_json_line
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.gguf.chat import render_messages
-from pipeline.gguf.spans import Span, cut, encode_spans, render_spans
+from pipeline.gguf.spans import Span, cut, encode_spans, ends_in_text, render_spans
 from pipeline.gguf.tokenizer import GGUFTokenizer
 from pipeline.models.losses import IGNORE_INDEX
 
@@ -145,11 +145,13 @@ class Formatter:
 
     def encode(self, ex: Example) -> tuple[list[int], list[int]]:
         prompt_spans, response_spans = self.spans(ex)
-        return self._ids(prompt_spans, first=True), self._ids(response_spans, answer=True)
+        prompt = self._ids(prompt_spans, first=True)
+        return prompt, self._ids(response_spans, answer=True, after=prompt)
 
-    def _ids(self, spans: list[Span], first: bool = False, answer: bool = False) -> list[int]:
-        """A piece's ids: the first starts with BOS when the GGUF asks for it; a plain answer ends with EOS."""
-        ids = encode_spans(self.tok, spans) if spans else []
+    def _ids(self, spans: list[Span], first: bool = False, answer: bool = False, after: list[int] = ()) -> list[int]:
+        """A piece's ids: the first starts with BOS when the GGUF asks for it; a plain answer ends with EOS.
+        A piece that continues the text of `after` gets no SentencePiece space prefix (see `encode_spans`)."""
+        ids = encode_spans(self.tok, spans, continues=ends_in_text(self.tok, after)) if spans else []
         if first and self.tok.add_bos and self.tok.bos_id is not None and ids[:1] != [self.tok.bos_id]:
             ids = [self.tok.bos_id, *ids]
         if answer and self.chat_template is None and self.cfg.add_eos and self.tok.eos_id is not None:
@@ -165,7 +167,7 @@ class Formatter:
         rest: list[int] = []
         mask: list[bool] = []
         for piece, (_, is_answer) in zip(spans[1:], pieces[1:]):
-            ids = self._ids(piece, answer=is_answer)
+            ids = self._ids(piece, answer=is_answer, after=rest or prompt)
             rest += ids
             mask += [is_answer] * len(ids)
         return prompt, rest, mask

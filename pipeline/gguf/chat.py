@@ -298,7 +298,23 @@ _UNSAFE = "do not use this model file's chat template (it may be malicious); ren
 _FIX = "fix the template in the GGUF, or use chat=false and write the prompt yourself"
 
 
-CHAT_END_TOKEN = "<|im_end|>"  # ChatML's end of turn: a stop id for chat when the vocabulary has it
+# llama.cpp's end-of-generation tokens by spelling (llama-vocab.cpp): the turn ends of ChatML, Llama 3,
+# Phi-3, Gemma and others. A chat template closes each turn with one of them, and a donor's EOS is
+# often another (Llama 3: `<|end_of_text|>` vs the template's `<|eot_id|>`), so chat stops at any.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+)
 
 
 def render_messages(
@@ -307,13 +323,30 @@ def render_messages(
     """`render_chat` with the tokenizer's own BOS/EOS texts, as the template expects them."""
     bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
     eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
-    return render_chat(template, messages, bos, eos, add_generation_prompt=add_generation_prompt)
+    try:
+        return render_chat(template, messages, bos, eos, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError:
+        plain = [m for m in messages if m.get("role") != "system"]
+        if len(plain) == len(messages):
+            raise
+        render_chat(template, plain, bos, eos, add_generation_prompt=add_generation_prompt)  # raises if not that
+        raise ChatTemplateError(problem("tokenizer.chat_template", *_NO_SYSTEM)) from None
+
+
+# Many templates (Mistral, Gemma, Llama 2 variants) raise on a system turn: the user's way out is to drop it.
+_NO_SYSTEM = (
+    "a template that takes a system message",
+    "one that refuses it (it renders the same conversation without the system message)",
+    "leave the system message out (chat/generate: system=''; instruction data: its system turns) or put it "
+    "into the first user message",
+)
 
 
 def default_stop_ids(tok: GGUFTokenizer, chat: bool) -> tuple[int, ...]:
-    """EOS, and for chat the end-of-turn token when the vocabulary has one."""
+    """EOS, and for chat every end-of-turn token llama.cpp stops at: the file's eot/eom ids and the
+    vocabulary's tokens spelled as in `END_OF_TURN_TOKENS`."""
     stops = [tok.eos_id] if tok.eos_id is not None else []
-    end_turn = tok.token_to_id(CHAT_END_TOKEN) if chat else None
-    if end_turn is not None and end_turn not in stops:
-        stops.append(end_turn)
-    return tuple(stops)
+    if chat:
+        spelled = (tok.token_to_id(t) for t in END_OF_TURN_TOKENS)
+        stops += [i for i in (*tok.end_of_turn_ids, *spelled) if i is not None]
+    return tuple(dict.fromkeys(stops))

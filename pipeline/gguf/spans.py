@@ -82,8 +82,10 @@ def cut(spans: list[Span], at: int) -> tuple[list[Span], list[Span]]:
     return head, tail
 
 
-def encode_spans(tok: GGUFTokenizer, spans: Sequence[Span]) -> list[int]:
-    """Ids of the spans' text with special tokens matched in the trusted spans only."""
+def encode_spans(tok: GGUFTokenizer, spans: Sequence[Span], continues: bool = False) -> list[int]:
+    """Ids of the spans' text with special tokens matched in the trusted spans only. `continues`: the
+    spans follow earlier text (a response after its prompt), so their first run of text gets no
+    SentencePiece space prefix, as in llama.cpp's tokenization of the whole conversation."""
     specials = _specials(tok)
     ids: list[int] = []
     fragment = ""
@@ -94,11 +96,21 @@ def encode_spans(tok: GGUFTokenizer, spans: Sequence[Span]) -> list[int]:
         at = 0
         for m in specials.finditer(text):
             fragment += text[at : m.start()]
-            ids += tok.encode(fragment, special=False) if fragment else []
+            ids += tok.encode(fragment, special=False, continues=continues and not ids) if fragment else []
             ids.append(tok.token_to_id(m.group()))
             fragment, at = "", m.end()
         fragment += text[at:]
-    return ids + (tok.encode(fragment, special=False) if fragment else [])
+    return ids + (tok.encode(fragment, special=False, continues=continues and not ids) if fragment else [])
+
+
+def ends_in_text(tok: GGUFTokenizer, ids: Sequence[int]) -> bool:
+    """Whether text after `ids` continues running text (no space prefix): they end in a non-special token."""
+    return bool(ids) and tok.id_to_token(ids[-1]) not in _control_set(tok)
+
+
+@lru_cache(maxsize=8)
+def _control_set(tok: GGUFTokenizer) -> frozenset[str]:
+    return frozenset(tok.control_tokens())
 
 
 @lru_cache(maxsize=8)

@@ -58,6 +58,7 @@ class GGUFTokenizer:
     eos_id: int | None
     unk_id: int | None
     pad_id: int | None
+    end_of_turn_ids: tuple[int, ...]
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
@@ -80,23 +81,33 @@ class GGUFTokenizer:
         self.eos_id = self._special_id(metadata, "tokenizer.ggml.eos_token_id", defaults[1])
         self.unk_id = self._special_id(metadata, "tokenizer.ggml.unknown_token_id", defaults[2])
         self.pad_id = self._special_id(metadata, "tokenizer.ggml.padding_token_id", None)
+        ends = (self._special_id(metadata, f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))
+        self.end_of_turn_ids = tuple(i for i in ends if i is not None)  # llama.cpp stops at them too
         self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
         self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
         self._pre_tokenizer = pre
         self._tok: Tokenizer = self._build(control=True)
         self._plain: Tokenizer | None = None  # without CONTROL/UNKNOWN matching: built on first use
+        self._unprefixed: Tokenizer | None = None  # _plain without the space prefix (`continues`)
         self._fingerprint: str | None = None
 
     # ----- public API -----
 
-    def encode(self, text: str, special: bool = True) -> list[int]:
+    def encode(self, text: str, special: bool = True, continues: bool = False) -> list[int]:
         """Token ids of `text`; no BOS/EOS added. `special`: CONTROL/UNKNOWN tokens written in it
         become their ids; False (llama.cpp `parse_special=false`, for untrusted text) tokenizes them
-        as the plain characters they are, so typed `<|im_end|>` cannot end a turn."""
+        as the plain characters they are, so typed `<|im_end|>` cannot end a turn. `continues`
+        (with special=False): the text follows earlier text, so it gets no SentencePiece space
+        prefix, which llama.cpp adds only at the start and after a special token."""
         if special:
             return self._tok.encode(text, add_special_tokens=False).ids
         if self._plain is None:
             self._plain = self._build(control=False)
+        if continues and self.add_space_prefix:
+            if self._unprefixed is None:  # a copy without the prefix (no second merge recovery)
+                self._unprefixed = Tokenizer.from_str(self._plain.to_str())
+                self._unprefixed.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+            return self._unprefixed.encode(text, add_special_tokens=False).ids
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def control_tokens(self) -> list[str]:
@@ -257,14 +268,8 @@ class GGUFTokenizer:
         if value is None:
             return default if default is not None and default < self.vocab_size else None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
-            raise GGUFError(
-                problem(
-                    f"{self._source} {key}",
-                    f"a token id in [0, {self.vocab_size})",
-                    repr(value),
-                    "fix the special token ids in the GGUF metadata",
-                )
-            )
+            expected, fix = f"a token id in [0, {self.vocab_size})", "fix the special token ids in the GGUF metadata"
+            raise GGUFError(problem(f"{self._source} {key}", expected, repr(value), fix))
         return value
 
     def _model_vocab(self) -> dict[str, int]:
@@ -370,15 +375,10 @@ class GGUFTokenizer:
             tokenizer.add_special_tokens(special)
         if user:
             tokenizer.add_tokens(user)
-        if tokenizer.get_vocab_size(with_added_tokens=True) != self.vocab_size:
-            raise GGUFError(
-                problem(
-                    f"{self._source} tokenizer.ggml.tokens",
-                    f"{self.vocab_size} ids after adding special tokens",
-                    f"{tokenizer.get_vocab_size(with_added_tokens=True)}",
-                    "report this GGUF: its special tokens could not be mapped to their ids",
-                )
-            )
+        if (n := tokenizer.get_vocab_size(with_added_tokens=True)) != self.vocab_size:
+            fix = "report this GGUF: its special tokens could not be mapped to their ids"
+            expected = f"{self.vocab_size} ids after adding special tokens"
+            raise GGUFError(problem(f"{self._source} tokenizer.ggml.tokens", expected, str(n), fix))
 
 
 _CORRUPT = "the tokenizer metadata is corrupt; re-export the GGUF with llama.cpp's convert_hf_to_gguf.py"

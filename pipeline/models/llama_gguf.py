@@ -156,8 +156,12 @@ def _check_features(g: GGUFFile, head_dim: int) -> None:
     for suffix in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         value = _int_key(g, suffix, head_dim, low=0)
         if value != head_dim:
+            what = "partial RoPE" if suffix.startswith("rope") else "heads of their own size (e.g. Mistral NeMo's)"
             raise _unsupported(
-                g, f"llama.{suffix} = head size {head_dim}", value, "partial RoPE / MLA is not supported"
+                g,
+                f"llama.{suffix} = embedding_length / head_count = {head_dim}",
+                value,
+                f"{what} is not supported; use a llama GGUF whose heads tile its width",
             )
     scaling = g.str_key("llama.rope.scaling.type", "none")
     factor = g.float_key("llama.rope.scaling.factor", 1.0)
