@@ -7,7 +7,10 @@ is not listed here is refused by name: a tokenizer that is merely close gives wr
 from __future__ import annotations
 
 import warnings
+from collections.abc import Container
 from dataclasses import dataclass
+
+from tokenizers import Regex, pre_tokenizers
 
 from pipeline.errors import GGUFError, problem
 
@@ -90,3 +93,25 @@ def resolve_pre(name: object, source: str) -> tuple[str, PreTokenizer]:
             )
         )
     return str(name), PRE_TOKENIZERS[str(name)]
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character each byte is spelled with in a `gpt2` vocabulary."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+
+
+def missing_byte_split(vocab: Container[str]) -> pre_tokenizers.Split | None:
+    """A split isolating the byte characters that are not tokens (SmolLM2 has none for 0x04, 0x06,
+    0x13, 0x14, 0x16, 0x1d, ...), None when every byte is a token.
+
+    llama.cpp keeps such a character as a symbol that no merge joins and then drops it, so its
+    neighbours stay apart (" \x16." -> "Ġ", "."); the `tokenizers` BPE drops it before merging,
+    which would join them ("Ġ.").
+    """
+    missing = [c for c in byte_to_unicode().values() if c not in vocab]
+    if not missing:
+        return None
+    pattern = "[" + "".join(c if c.isalnum() else "\\" + c for c in missing) + "]"
+    return pre_tokenizers.Split(Regex(pattern), behavior="isolated")

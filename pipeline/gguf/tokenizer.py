@@ -28,7 +28,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf.pretokenizers import PreTokenizer, resolve_pre
+from pipeline.gguf.pretokenizers import PreTokenizer, missing_byte_split, resolve_pre
 from pipeline.gguf.reader import GGUFFile
 
 # llama.cpp token types (gguf.TokenType / LLAMA_TOKEN_TYPE_*).
@@ -295,9 +295,9 @@ class GGUFTokenizer:
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
         tokenizer = Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        steps = [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        barrier = missing_byte_split(vocab)  # after ByteLevel: it splits the byte characters
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*steps, *([barrier] if barrier else [])])
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
 
