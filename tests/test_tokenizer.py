@@ -267,6 +267,19 @@ def test_sentencepiece_tiny(tmp_path: Path) -> None:
     assert tok.encode("") == []
 
 
+def test_sentencepiece_decode_keeps_text_around_broken_bytes(tmp_path: Path) -> None:
+    """A byte run that is not valid UTF-8 (a generation cut inside a character) loses only the
+    broken character, as llama.cpp's bytes decode; it used to turn the whole run into U+FFFD."""
+    tok = load(spm_gguf(tmp_path / "spm.gguf"))
+    ids = {t: i for i, t in enumerate(SPM_TOKENS)}
+    cut = [ids["<0x49>"], ids["<0xE2>"], ids["<0x82>"]]  # "I" then the first 2 bytes of "€"
+    assert tok.decode(cut) == "I\ufffd"
+    euro_then_cut = [ids["<0xE2>"], ids["<0x82>"], ids["<0xAC>"], ids["<0xE2>"], ids["<0x2B>"]]
+    assert tok.decode(euro_then_cut) == "€\ufffd+"
+    assert tok.decode([ids["▁hello"], ids["<0xC3>"], 1, ids["<0xA9>"]]) == "helloé"  # <s> dropped, as llama.cpp
+    assert tok.decode([ids["▁hello"], ids["<0xC3>"], ids["<0xA9>"], 2], skip_special=False) == "helloé</s>"
+
+
 def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
     tok = load(spm_gguf(tmp_path / "spm.gguf", add_space_prefix=False))
     ids = {t: i for i, t in enumerate(SPM_TOKENS)}

@@ -15,6 +15,8 @@ Known differences from llama.cpp, all in inputs real vocabularies do not produce
   anywhere in the text, `tokenizers` the leftmost-longest match.
 - llama.cpp re-labels a few "control-looking" tokens (e.g. `<|im_end|>` typed NORMAL) as CONTROL
   by their text; we trust the file's token types.
+- Decoding, where llama.cpp's `llama_detokenize` loses the text and we keep it: its clean_spaces (" ?" -> "?", most BPE
+  pre-tokenizers, not smollm/qwen2), `▁` left in USER_DEFINED pieces, the space prefix after a leading control token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.pretokenizers import PreTokenizer, missing_byte_split, resolve_pre
 from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.spm_decode import decode_sentencepiece
 
 # llama.cpp token types (gguf.TokenType / LLAMA_TOKEN_TYPE_*).
 TOKEN_NORMAL = 1
@@ -121,7 +124,10 @@ class GGUFTokenizer:
                         "decode ids produced by this tokenizer / model",
                     )
                 )
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        ids = [int(i) for i in ids]
+        if self.model_type == "llama":  # bytes first, as llama.cpp: see spm_decode
+            return decode_sentencepiece(self._tokens, self._types, ids, skip_special, self.add_space_prefix)
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def token_to_id(self, tok: str) -> int | None:
         """Id of a token spelled as in the GGUF vocabulary (e.g. `<|im_end|>`, `Ġthe`), else None."""
@@ -327,11 +333,7 @@ class GGUFTokenizer:
         steps = [normalizers.Replace(" ", _SPACE_MARK)]
         if self.add_space_prefix:
             steps.insert(0, normalizers.Prepend(_SPACE_MARK))
-        tokenizer.normalizer = normalizers.Sequence(steps)
-        dec = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-        if self.add_space_prefix:
-            dec.append(decoders.Strip(" ", 1, 0))
-        tokenizer.decoder = decoders.Sequence(dec)
+        tokenizer.normalizer = normalizers.Sequence(steps)  # no decoder: `decode` reads the bytes itself
         return tokenizer
 
     def _check_piece_lengths(self) -> None:
