@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Container
 from dataclasses import dataclass
 
-from tokenizers import Regex, pre_tokenizers
-
 from pipeline.errors import GGUFError, problem
 
 # Pre-tokenizer regexes, verbatim from llama.cpp's src/llama-vocab.cpp (llm_tokenizer_bpe). Each
@@ -102,16 +100,11 @@ def byte_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
 
 
-def missing_byte_split(vocab: Container[str]) -> pre_tokenizers.Split | None:
-    """A split isolating the byte characters that are not tokens (SmolLM2 has none for 0x04, 0x06,
-    0x13, 0x14, 0x16, 0x1d, ...), None when every byte is a token.
-
-    llama.cpp keeps such a character as a symbol that no merge joins and then drops it, so its
-    neighbours stay apart (" \x16." -> "Ġ", "."); the `tokenizers` BPE drops it before merging,
-    which would join them ("Ġ.").
+def missing_byte_chars(vocab: Container[str]) -> list[str]:
+    """The byte characters that are not tokens (SmolLM2 has none for 0x04, 0x06, 0x13, 0x14, 0x16,
+    0x1d, ...). llama.cpp keeps such a character as a symbol that no merge joins and then drops it,
+    so its neighbours stay apart (" \x16." -> "Ġ", "."); the `tokenizers` BPE drops an unknown
+    character before merging, which would join them ("Ġ."), so the tokenizer gives each an id past
+    the vocabulary (a symbol no merge joins) and removes those ids from the output.
     """
-    missing = [c for c in byte_to_unicode().values() if c not in vocab]
-    if not missing:
-        return None
-    pattern = "[" + "".join(c if c.isalnum() else "\\" + c for c in missing) + "]"
-    return pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    return [c for c in byte_to_unicode().values() if c not in vocab]

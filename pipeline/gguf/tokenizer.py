@@ -30,7 +30,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf.pretokenizers import PreTokenizer, missing_byte_split, resolve_pre
+from pipeline.gguf.pretokenizers import PreTokenizer, missing_byte_chars, resolve_pre
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.spm_decode import decode_sentencepiece
 
@@ -86,6 +86,7 @@ class GGUFTokenizer:
         self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
         self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
         self._pre_tokenizer = pre
+        self._barriers: list[str] = []
         self._tok: Tokenizer = self._build(control=True)
         self._plain: Tokenizer | None = None  # without CONTROL/UNKNOWN matching: built on first use
         self._fingerprint: str | None = None
@@ -96,11 +97,13 @@ class GGUFTokenizer:
         """Token ids of `text`; no BOS/EOS added. `special`: CONTROL/UNKNOWN tokens written in it
         become their ids; False (llama.cpp `parse_special=false`, for untrusted text) tokenizes them
         as the plain characters they are, so typed `<|im_end|>` cannot end a turn."""
-        if special:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        if self._plain is None:
+        if not special and self._plain is None:
             self._plain = self._build(control=False)
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._ids((self._tok if special else self._plain).encode(text, add_special_tokens=False).ids)
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        """Ids without the barrier ids of byte characters that are not tokens (dropped, as llama.cpp)."""
+        return [i for i in ids if i < self.vocab_size] if self._barriers else ids
 
     def control_tokens(self) -> list[str]:
         """The spellings `encode` matches as special (CONTROL and UNKNOWN tokens), once each."""
@@ -110,7 +113,7 @@ class GGUFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` over many texts in parallel (Rust threads); same ids as `encode`."""
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: tokenizers>=0.21
-        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+        return [self._ids(e.ids) for e in batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         """Text of `ids`; CONTROL/UNKNOWN tokens are dropped unless `skip_special=False`."""
@@ -278,15 +281,14 @@ class GGUFTokenizer:
         llama.cpp's lookup does) and earlier ids get an unmatchable placeholder, so ids never shift."""
         vocab: dict[str, int] = {}
         for i, tok in enumerate(self._tokens):
-            if self._token_to_id[tok] == i:
-                vocab[tok] = i
-            else:
-                vocab[f"\u0000dup{i}\u0000{tok}"] = i
+            vocab[tok if self._token_to_id[tok] == i else f"\u0000dup{i}\u0000{tok}"] = i
         return vocab
 
     def _build_byte_level_bpe(self, pre: PreTokenizer) -> Tokenizer:
         """Byte-level BPE (`gpt2`): llama.cpp's split regexes, then GPT-2's byte-to-unicode map."""
         vocab = self._model_vocab()
+        self._barriers = missing_byte_chars(vocab)  # ids past the vocabulary, removed by encode
+        vocab |= {c: self.vocab_size + n for n, c in enumerate(self._barriers)}
         merges: list[tuple[str, str]] = []
         assert self._merges is not None
         for m in self._merges:
@@ -301,9 +303,8 @@ class GGUFTokenizer:
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
         tokenizer = Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        steps = [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        barrier = missing_byte_split(vocab)  # after ByteLevel: it splits the byte characters
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*steps, *([barrier] if barrier else [])])
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
 
@@ -372,7 +373,7 @@ class GGUFTokenizer:
             tokenizer.add_special_tokens(special)
         if user:
             tokenizer.add_tokens(user)
-        if tokenizer.get_vocab_size(with_added_tokens=True) != self.vocab_size:
+        if tokenizer.get_vocab_size(with_added_tokens=True) != self.vocab_size + len(self._barriers):
             raise GGUFError(
                 problem(
                     f"{self._source} tokenizer.ggml.tokens",
