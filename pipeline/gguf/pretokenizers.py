@@ -24,6 +24,8 @@ _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Unicode tables differ by version: U+1B4E, U+1B4F, U+1B7F (Balinese, new in Unicode 16) are \p{P} for
+# `tokenizers` but not for llama-cpp-python 0.3.36's llama.cpp, so only we split " \u1b7f" under `default`.
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
