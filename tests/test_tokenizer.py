@@ -22,6 +22,13 @@ LLAMACPP_EXTRA = {
     "12345": [33, 34, 35, 36, 37],
     "x<|im_start|><|im_end|>y": [104, 1, 2, 105],
     "３４５ ½ ٣": [8083, 237, 8083, 238, 8083, 239, 216, 16738, 216, 164, 113],
+    # Control characters that have no byte token in SmolLM2 (0x04 0x06 0x13 0x14 0x16 0x1d) are
+    # dropped, but their neighbours stay apart as llama.cpp keeps them (we used to merge " ." / "..").
+    " \x16.": [216, 30],
+    ">\x16>": [46, 46],
+    " \x06⧾": [216, 173, 117, 139],
+    "..\x1d..": [950, 950],
+    " \x04\x13\x14!": [216, 17],
 }
 
 EXTRA_TEXTS = [
@@ -260,6 +267,19 @@ def test_sentencepiece_tiny(tmp_path: Path) -> None:
     assert tok.encode("") == []
 
 
+def test_sentencepiece_decode_keeps_text_around_broken_bytes(tmp_path: Path) -> None:
+    """A byte run that is not valid UTF-8 (a generation cut inside a character) loses only the
+    broken character, as llama.cpp's bytes decode; it used to turn the whole run into U+FFFD."""
+    tok = load(spm_gguf(tmp_path / "spm.gguf"))
+    ids = {t: i for i, t in enumerate(SPM_TOKENS)}
+    cut = [ids["<0x49>"], ids["<0xE2>"], ids["<0x82>"]]  # "I" then the first 2 bytes of "€"
+    assert tok.decode(cut) == "I\ufffd"
+    euro_then_cut = [ids["<0xE2>"], ids["<0x82>"], ids["<0xAC>"], ids["<0xE2>"], ids["<0x2B>"]]
+    assert tok.decode(euro_then_cut) == "€\ufffd+"
+    assert tok.decode([ids["▁hello"], ids["<0xC3>"], 1, ids["<0xA9>"]]) == "helloé"  # <s> dropped, as llama.cpp
+    assert tok.decode([ids["▁hello"], ids["<0xC3>"], ids["<0xA9>"], 2], skip_special=False) == "helloé</s>"
+
+
 def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
     tok = load(spm_gguf(tmp_path / "spm.gguf", add_space_prefix=False))
     ids = {t: i for i, t in enumerate(SPM_TOKENS)}
@@ -310,6 +330,7 @@ def test_live_llamacpp_parity_per_pre_tokenizer(tmp_path: Path, donor: GGUFFile,
     ours = GGUFTokenizer({**meta, "tokenizer.ggml.pre": pre})  # same metadata, no slow re-read
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     texts = [*EXTRA_TEXTS, *LLAMACPP_EXTRA, *(e["text"] for e in REFERENCE.values()), "$100 + <= >> ^~| ||| ...!!"]
+    texts += [" \x06⧾", " \x06🌈", " \x16'", "a\x1d\x1d,"]  # bytes without a token (see LLAMACPP_EXTRA)
     try:
         for text in texts:
             assert ours.encode(text) == ref.tokenize(text.encode(), add_bos=False, special=True), (pre, text)

@@ -7,6 +7,7 @@ is not listed here is refused by name: a tokenizer that is merely close gives wr
 from __future__ import annotations
 
 import warnings
+from collections.abc import Container
 from dataclasses import dataclass
 
 from pipeline.errors import GGUFError, problem
@@ -23,6 +24,8 @@ _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Unicode tables differ by version: U+1B4E, U+1B4F, U+1B7F (Balinese, new in Unicode 16) are \p{P} for
+# `tokenizers` but not for llama-cpp-python 0.3.36's llama.cpp, so only we split " \u1b7f" under `default`.
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
@@ -90,3 +93,20 @@ def resolve_pre(name: object, source: str) -> tuple[str, PreTokenizer]:
             )
         )
     return str(name), PRE_TOKENIZERS[str(name)]
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character each byte is spelled with in a `gpt2` vocabulary."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+
+
+def missing_byte_chars(vocab: Container[str]) -> list[str]:
+    """The byte characters that are not tokens (SmolLM2 has none for 0x04, 0x06, 0x13, 0x14, 0x16,
+    0x1d, ...). llama.cpp keeps such a character as a symbol that no merge joins and then drops it,
+    so its neighbours stay apart (" \x16." -> "Ġ", "."); the `tokenizers` BPE drops an unknown
+    character before merging, which would join them ("Ġ."), so the tokenizer gives each an id past
+    the vocabulary (a symbol no merge joins) and removes those ids from the output.
+    """
+    return [c for c in byte_to_unicode().values() if c not in vocab]

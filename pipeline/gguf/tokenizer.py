@@ -15,6 +15,8 @@ Known differences from llama.cpp, all in inputs real vocabularies do not produce
   anywhere in the text, `tokenizers` the leftmost-longest match.
 - llama.cpp re-labels a few "control-looking" tokens (e.g. `<|im_end|>` typed NORMAL) as CONTROL
   by their text; we trust the file's token types.
+- Decoding, where llama.cpp's `llama_detokenize` loses the text and we keep it: its clean_spaces (" ?" -> "?", most BPE
+  pre-tokenizers, not smollm/qwen2), `▁` left in USER_DEFINED pieces, the space prefix after a leading control token.
 """
 
 from __future__ import annotations
@@ -28,20 +30,13 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pipeline.errors import GGUFError, problem
-from pipeline.gguf.pretokenizers import PreTokenizer, resolve_pre
+from pipeline.gguf.pretokenizers import PreTokenizer, missing_byte_chars, resolve_pre
 from pipeline.gguf.reader import GGUFFile
-
-# llama.cpp token types (gguf.TokenType / LLAMA_TOKEN_TYPE_*).
-TOKEN_NORMAL = 1
-TOKEN_UNKNOWN = 2
-TOKEN_CONTROL = 3
-TOKEN_USER_DEFINED = 4
-TOKEN_UNUSED = 5
-TOKEN_BYTE = 6
+from pipeline.gguf.spm_decode import decode_sentencepiece
+from pipeline.gguf.token_types import SPACE_MARK, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 MAX_PIECE_CHARS = 1024  # longest SentencePiece piece we rebuild merges for (real ones are under 100)
-_SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 
 class GGUFTokenizer:
@@ -86,6 +81,7 @@ class GGUFTokenizer:
         self.add_bos = self._typed(metadata, "tokenizer.ggml.add_bos_token", bool, default_add_bos)
         self.add_eos = self._typed(metadata, "tokenizer.ggml.add_eos_token", bool, False)
         self._pre_tokenizer = pre
+        self._barriers: list[str] = []
         self._tok: Tokenizer = self._build(control=True)
         self._plain: Tokenizer | None = None  # without CONTROL/UNKNOWN matching: built on first use
         self._unprefixed: Tokenizer | None = None  # _plain without the space prefix (`continues`)
@@ -99,16 +95,24 @@ class GGUFTokenizer:
         as the plain characters they are, so typed `<|im_end|>` cannot end a turn. `continues`
         (with special=False): the text follows earlier text, so it gets no SentencePiece space
         prefix, which llama.cpp adds only at the start and after a special token."""
+        return self._ids(self._pick(special, continues).encode(text, add_special_tokens=False).ids)
+
+    def _pick(self, special: bool, continues: bool) -> Tokenizer:
+        """The tokenizer of one `encode` call: control matching, plain, or plain without the space prefix."""
         if special:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._tok
         if self._plain is None:
             self._plain = self._build(control=False)
-        if continues and self.add_space_prefix:
-            if self._unprefixed is None:  # a copy without the prefix (no second merge recovery)
-                self._unprefixed = Tokenizer.from_str(self._plain.to_str())
-                self._unprefixed.normalizer = normalizers.Replace(" ", _SPACE_MARK)
-            return self._unprefixed.encode(text, add_special_tokens=False).ids
-        return self._plain.encode(text, add_special_tokens=False).ids
+        if not (continues and self.add_space_prefix):
+            return self._plain
+        if self._unprefixed is None:  # a copy without the prefix (no second merge recovery)
+            self._unprefixed = Tokenizer.from_str(self._plain.to_str())
+            self._unprefixed.normalizer = normalizers.Replace(" ", SPACE_MARK)
+        return self._unprefixed
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        """Ids without the barrier ids of byte characters that are not tokens (dropped, as llama.cpp)."""
+        return [i for i in ids if i < self.vocab_size] if self._barriers else ids
 
     def control_tokens(self) -> list[str]:
         """The spellings `encode` matches as special (CONTROL and UNKNOWN tokens), once each."""
@@ -118,7 +122,7 @@ class GGUFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` over many texts in parallel (Rust threads); same ids as `encode`."""
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: tokenizers>=0.21
-        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
+        return [self._ids(e.ids) for e in batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         """Text of `ids`; CONTROL/UNKNOWN tokens are dropped unless `skip_special=False`."""
@@ -132,7 +136,10 @@ class GGUFTokenizer:
                         "decode ids produced by this tokenizer / model",
                     )
                 )
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        ids = [int(i) for i in ids]
+        if self.model_type == "llama":  # bytes first, as llama.cpp: see spm_decode
+            return decode_sentencepiece(self._tokens, self._types, ids, skip_special, self.add_space_prefix)
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def token_to_id(self, tok: str) -> int | None:
         """Id of a token spelled as in the GGUF vocabulary (e.g. `<|im_end|>`, `Ġthe`), else None."""
@@ -277,15 +284,14 @@ class GGUFTokenizer:
         llama.cpp's lookup does) and earlier ids get an unmatchable placeholder, so ids never shift."""
         vocab: dict[str, int] = {}
         for i, tok in enumerate(self._tokens):
-            if self._token_to_id[tok] == i:
-                vocab[tok] = i
-            else:
-                vocab[f"\u0000dup{i}\u0000{tok}"] = i
+            vocab[tok if self._token_to_id[tok] == i else f"\u0000dup{i}\u0000{tok}"] = i
         return vocab
 
     def _build_byte_level_bpe(self, pre: PreTokenizer) -> Tokenizer:
         """Byte-level BPE (`gpt2`): llama.cpp's split regexes, then GPT-2's byte-to-unicode map."""
         vocab = self._model_vocab()
+        self._barriers = missing_byte_chars(vocab)  # ids past the vocabulary, removed by encode
+        vocab |= {c: self.vocab_size + n for n, c in enumerate(self._barriers)}
         merges: list[tuple[str, str]] = []
         assert self._merges is not None
         for m in self._merges:
@@ -300,9 +306,8 @@ class GGUFTokenizer:
         model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
         tokenizer = Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
 
@@ -329,14 +334,10 @@ class GGUFTokenizer:
         tokenizer = Tokenizer(model)
         # llama.cpp: a space before every run of text that starts the input or follows a special
         # token (add_space_prefix), and every " " spelled "▁". Normalizers run per such run.
-        steps = [normalizers.Replace(" ", _SPACE_MARK)]
+        steps = [normalizers.Replace(" ", SPACE_MARK)]
         if self.add_space_prefix:
-            steps.insert(0, normalizers.Prepend(_SPACE_MARK))
-        tokenizer.normalizer = normalizers.Sequence(steps)
-        dec = [decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-        if self.add_space_prefix:
-            dec.append(decoders.Strip(" ", 1, 0))
-        tokenizer.decoder = decoders.Sequence(dec)
+            steps.insert(0, normalizers.Prepend(SPACE_MARK))
+        tokenizer.normalizer = normalizers.Sequence(steps)  # no decoder: `decode` reads the bytes itself
         return tokenizer
 
     def _check_piece_lengths(self) -> None:
@@ -375,7 +376,8 @@ class GGUFTokenizer:
             tokenizer.add_special_tokens(special)
         if user:
             tokenizer.add_tokens(user)
-        if (n := tokenizer.get_vocab_size(with_added_tokens=True)) != self.vocab_size:
+        n = tokenizer.get_vocab_size(with_added_tokens=True) - len(self._barriers)  # barriers: past the vocab
+        if n != self.vocab_size:
             fix = "report this GGUF: its special tokens could not be mapped to their ids"
             expected = f"{self.vocab_size} ids after adding special tokens"
             raise GGUFError(problem(f"{self._source} tokenizer.ggml.tokens", expected, str(n), fix))
