@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import PipelineError, one_line, problem
+
 
 def _temp_sibling(path: Path, kind: str, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}{suffix}")
@@ -56,18 +58,40 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> list[Path]:
 
 
 @contextmanager
+def writable_output(path: Path) -> Iterator[None]:
+    """Turn an OSError from creating, or renaming into place, the output `path` (a read-only
+    directory or file system, a parent that is a file, a full disk) into one named line: without it
+    the stage ended with a traceback. Only our own steps go through it, never the writer's body,
+    whose OSErrors (a missing input, say) are not about the output."""
+    try:
+        yield
+    except OSError as e:
+        where = path.parent if path.parent.is_dir() else path
+        raise PipelineError(
+            problem(
+                str(path),
+                "an output path this process can create and replace",
+                one_line(e),
+                f"make {where} writable (or free space there), or run from a writable copy of the project",
+            )
+        ) from e
+
+
+@contextmanager
 def atomic_file(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path]:
     """Yield a temp path to write; it replaces `path` only if the block succeeds.
 
     `suffix` is for writers that insist on a file extension (numpy's `savez` adds `.npz`).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path)
+    with writable_output(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path)
     tmp = _temp_sibling(path, "tmp", suffix)
     try:
         yield tmp
-        os.replace(tmp, path)
+        with writable_output(path):
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -76,19 +100,31 @@ def atomic_file(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
 def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty temp directory that replaces `path` only if the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path)
     tmp = _temp_sibling(path, "tmp")
-    tmp.mkdir()
+    with writable_output(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(path)
+        tmp.mkdir()
     try:
         yield tmp
         old = _temp_sibling(path, "old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
+        with writable_output(path):
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_mode(path: str | os.PathLike[str]) -> Path:
+    """Give `path` the permissions a plain `open()` would (0o666 less the umask). safetensors writes
+    through a private temp file and keeps its 0o600, so a copied `peft/` folder or model dir was
+    unreadable to anyone else (a server run as another user could not load the adapter)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+    return Path(path)
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> Path:

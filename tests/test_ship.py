@@ -208,3 +208,24 @@ def test_the_data_label_drops_a_compression_suffix_then_the_format() -> None:
     assert data_label("jsonl", "corpora/c.jsonl.gz") == "c" and data_label("text", "a.txt.zst") == "a"
     assert data_label("text", "my_notes.v2.txt") == "my-notes.v2" and data_label("dir", "docs/") == "docs"
     assert data_label("pydoc", "") == "pydoc"
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_named_line(tmp_path: Path, smollm2: GGUFFile) -> None:
+    """A read-only models/ (or a file where the folder should be) ended the stage with a traceback."""
+    cfg = TransformerConfig(vocab_size=49152, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
+    (tmp_path / "train").mkdir()
+    save_model_dir(tmp_path / "train", Llama(cfg))
+    blocked = tmp_path / "models"
+    blocked.write_text("a file, not a folder")
+    outs = [blocked / "export"]
+    if os.geteuid() != 0:  # root writes into a 0o555 folder anyway
+        (tmp_path / "ro").mkdir(mode=0o555)
+        outs.append(tmp_path / "ro" / "export")
+    for out in outs:
+        with pytest.raises(PipelineError) as err:
+            run_ship_export(tmp_path / "train", smollm2.path, out, ExportPlan(), {})
+        message = str(err.value)
+        assert message.startswith(f"{out}: expected an output path") and "fix: make" in message
+        assert "\n" not in message and not out.exists()
+    assert blocked.read_text() == "a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["train", "models", *(["ro"] if len(outs) > 1 else [])])
