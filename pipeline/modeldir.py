@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.config import LoraConfig
 from pipeline.errors import ConfigError, problem
-from pipeline.files import fingerprint
+from pipeline.files import default_mode, fingerprint
 from pipeline.finetune.base import build_finetune
 from pipeline.finetune.lora import load_lora_state_dict, lora_state_dict
 from pipeline.models.base import DecoderLM, TransformerConfig
@@ -198,6 +198,7 @@ def write_weights(
 ) -> None:
     """`config.json` and a safetensors file of `weights` (a checkpoint's or a plain model's)."""
     save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(Path(out_dir) / name))
+    default_mode(Path(out_dir) / name)
     (Path(out_dir) / CONFIG_FILE).write_text(cfg.to_json() + "\n")
 
 

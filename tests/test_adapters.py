@@ -164,6 +164,22 @@ def test_exported_peft_adapter_loads_on_another_machine(setup: Setup, hf_base, t
     assert (logprobs(ours.eval(), setup.x) - want).abs().max().item() < 1e-4
 
 
+def test_exported_weights_are_readable_by_others_as_any_written_file(setup: Setup, tmp_path: Path) -> None:
+    """safetensors keeps its temp file's 0o600: a copied `peft/` (or model dir) was unreadable to a
+    server run as another user. Both get the mode a plain open() gives, as the GGUFs beside them do."""
+    from pipeline.modeldir import save_model_dir
+
+    mask = os.umask(0o022)
+    try:
+        peft_dir = save_peft_adapter(setup.model, tmp_path / "peft", base_model="org/base")
+        (tmp_path / "dir").mkdir()
+        save_model_dir(tmp_path / "dir", Llama(setup.model.cfg))
+        for path in (peft_dir / "adapter_model.safetensors", tmp_path / "dir" / "model.safetensors"):
+            assert path.stat().st_mode & 0o777 == 0o644, path
+    finally:
+        os.umask(mask)
+
+
 def test_peft_saved_adapter_reads_back_into_ours(setup: Setup, hf_base, tmp_path: Path) -> None:
     import peft
 

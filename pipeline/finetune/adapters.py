@@ -31,7 +31,7 @@ from torch import nn
 
 from pipeline.config import LoraConfig
 from pipeline.errors import GGUFError, one_line, problem
-from pipeline.files import atomic_dir
+from pipeline.files import atomic_dir, default_mode
 from pipeline.finetune.lora import (
     AdapterError,
     attach_lora,
@@ -267,6 +267,7 @@ def save_peft_adapter(
     with atomic_dir(out_dir) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(peft_tensors(model), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        default_mode(tmp / "adapter_model.safetensors")
     return out_dir
 
 
