@@ -84,6 +84,7 @@ def model_card(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: Card
         "## Run it with llama.cpp\n",
         f"```bash\nllama-cli -m {facts.file} -cnv          # chat in the terminal (the file carries its chat "
         f"template)\nllama-server -m {facts.file} --port 8080   # OpenAI-compatible server\n"
+        "pip install 'llama-cpp-python[server]'   # its server needs the extra (plain llama-cpp-python lacks it)\n"
         f"python -m llama_cpp.server --model {facts.file}   # the same from llama-cpp-python\n```\n",
         "## Run it with transformers\n",
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"

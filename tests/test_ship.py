@@ -134,6 +134,9 @@ def test_export_is_named_by_convention_with_keys_and_card(tmp_path: Path, smollm
     values = {r["name"]: r["value"] for r in front["model-index"][0]["results"][0]["metrics"]}
     assert values["validation loss (nats/token) of the exported weights"] == 3.25  # the kept weights' val loss
     assert f"llama-server -m {named.name}" in text and f'gguf_file="{named.name}"' in text
+    commands = [line.split("#")[0].strip() for line in text.split("```bash\n")[1].split("```")[0].splitlines()]
+    server = commands.index(f"python -m llama_cpp.server --model {named.name}")  # needs the [server] extra
+    assert "pip install 'llama-cpp-python[server]'" in commands[:server]
 
 
 def test_donor_identity_is_the_hub_name(smollm2: GGUFFile) -> None:
