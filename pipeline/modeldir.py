@@ -250,7 +250,7 @@ def load_model_dir(model_dir: Path) -> nn.Module:
     saved adapters (or full weights), in eval mode until a training loop asks for train mode."""
     model_dir = Path(model_dir)
     if not is_finetune_dir(model_dir):
-        _require(model_dir, (CONFIG_FILE, MODEL_FILE), "run the stage that writes it")
+        _require(model_dir, (CONFIG_FILE, MODEL_FILE), rerun(model_dir))
         cfg = read_config(model_dir)
         state = read_weights(model_dir / MODEL_FILE)
         check_state(_shell(cfg, model_dir).state_dict(), state, model_dir / MODEL_FILE)  # before any allocation

@@ -232,3 +232,20 @@ def test_an_output_dir_that_cannot_be_written_is_one_named_line(tmp_path: Path, 
         assert "\n" not in message and not out.exists()
     assert blocked.read_text() == "a file, not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["train", "models", *(["ro"] if len(outs) > 1 else [])])
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors"])
+def test_a_train_dir_missing_a_file_names_the_stage_to_rerun(tmp_path: Path, smollm2: GGUFFile, missing: str) -> None:
+    """The fix said 'run the stage that writes it' without naming it; export reads models/train."""
+    cfg = TransformerConfig(vocab_size=49152, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
+    train = tmp_path / "models" / "train"
+    train.mkdir(parents=True)
+    save_model_dir(train, Llama(cfg))
+    (train / missing).unlink()
+    with pytest.raises(PipelineError) as err:
+        run_ship_export(train, smollm2.path, tmp_path / "models" / "export", ExportPlan(), {})
+    assert str(err.value) == (
+        f"{train / missing}: expected a saved model file, found no such file; "
+        "fix: the train stage writes it: re-run `dvc repro -f train`"
+    )
+    assert not (tmp_path / "models" / "export").exists()
