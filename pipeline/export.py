@@ -22,6 +22,7 @@ from pipeline.finetune.adapters import plain_model, save_adapter_gguf, save_peft
 from pipeline.finetune.lora import lora_layers
 from pipeline.gguf.header import count_tensors
 from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.writer import check_export_dtype
 from pipeline.modeldir import load_model_dir, read_train_state
 from pipeline.models.registry import export_gguf
 from pipeline.ship import ShipInfo, donor_identity, file_name, general_keys, general_metadata, link_or_copy
@@ -51,6 +52,7 @@ def run_ship_export(
     """`model.gguf` (adapters merged, quantized layers dequantized) in `plan.dtype`, its conventional
     name beside it, the model card, plus `adapter.gguf` and `peft/` when the model carries LoRA
     adapters; returns the stage metrics. `provenance` keys override the generated `general.*` ones."""
+    check_export_dtype(plan.dtype)  # before the model loads
     model = load_model_dir(train_dir)
     g = GGUFFile(donor)
     tok_meta = donor_tokenizer_metadata(g)

@@ -249,3 +249,20 @@ def test_a_train_dir_missing_a_file_names_the_stage_to_rerun(tmp_path: Path, smo
         "fix: the train stage writes it: re-run `dvc repro -f train`"
     )
     assert not (tmp_path / "models" / "export").exists()
+
+
+def test_an_unknown_export_type_from_python_is_one_named_line(tmp_path: Path, smollm2: GGUFFile) -> None:
+    """run_export / export_gguf with a type no export writes raised a bare KeyError('q3_k')."""
+    from pipeline.models.registry import export_gguf
+
+    cfg = TransformerConfig(vocab_size=49152, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
+    (tmp_path / "train").mkdir()
+    save_model_dir(tmp_path / "train", Llama(cfg))
+    for call in (
+        lambda: run_ship_export(tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("q3_k"), {}),
+        lambda: export_gguf(Llama(cfg), tmp_path / "m.gguf", {}, {}, "q3_k"),
+    ):
+        with pytest.raises(PipelineError) as err:
+            call()
+        assert str(err.value).startswith("export.dtype: expected one of f32, ") and "found 'q3_k'" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]

@@ -82,6 +82,14 @@ def write_gguf(
     return Path(path)
 
 
+def check_export_dtype(dtype: str) -> None:
+    """A named error for a type no export writes. Callers check before building the `llama.*` keys
+    (whose `general.file_type` lookup otherwise raised a bare KeyError) and before loading a model."""
+    if dtype not in TENSOR_TYPES and dtype not in K_QUANTS:
+        choices = ", ".join([*TENSOR_TYPES, *K_QUANTS])
+        raise GGUFError(problem("export.dtype", f"one of {choices}", repr(dtype), "pick a supported type"))
+
+
 def write_model_gguf(
     path: str | os.PathLike[str],
     arch: str,
@@ -94,9 +102,7 @@ def write_model_gguf(
     """What every architecture's export shares: `general.type=model`, provenance, the architecture's
     keys, the donor's tokenizer, in that order. `dtype` types the matrices: a TENSOR_TYPES key, or a
     K-quant (K_QUANTS), which llama.cpp's own quantizer writes from an f32 file."""
-    if dtype not in TENSOR_TYPES and dtype not in K_QUANTS:
-        choices = ", ".join([*TENSOR_TYPES, *K_QUANTS])
-        raise GGUFError(problem("export.dtype", f"one of {choices}", repr(dtype), "pick a supported type"))
+    check_export_dtype(dtype)
     metadata: dict[str, Any] = {"general.type": "model", **provenance, **arch_meta, **tokenizer_meta}
     if dtype in K_QUANTS:
         require_llamacpp(dtype)  # before the f32 file is written

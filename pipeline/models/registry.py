@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
+from pipeline.gguf.writer import check_export_dtype
 from pipeline.models.base import DecoderLM, TransformerConfig
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
@@ -56,6 +57,7 @@ def export_gguf(
     model: DecoderLM, path: Path, tokenizer_meta: dict[str, Any], provenance: dict[str, Any], dtype: str = "f32"
 ) -> Path:
     """Write `model` as a GGUF in its architecture's llama.cpp layout."""
+    check_export_dtype(dtype)
     return _entry(model.cfg.arch, "model config arch", ConfigError).export(
         model, path, tokenizer_meta, provenance, dtype
     )
