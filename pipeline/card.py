@@ -29,6 +29,7 @@ class CardFacts:
     kept_step: int | None = None
     has_adapters: bool = False
     mlflow_run_id: str = ""
+    base_file: str = "base.gguf"  # the GGUF the adapter was trained on (the donor's file name)
 
 
 def front_matter(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: CardFacts) -> dict:
@@ -94,7 +95,8 @@ def model_card(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: Card
     if facts.has_adapters:
         lines.append(
             "## The adapter alone\n\n"
-            f"`adapter.gguf` is the LoRA adapter for llama.cpp (`llama-cli -m base.gguf --lora adapter.gguf`); "
+            f"`adapter.gguf` is the LoRA adapter for llama.cpp, on the GGUF it was trained on, `{facts.base_file}` "
+            f"(`llama-cli -m {facts.base_file} --lora adapter.gguf`); "
             f'`peft/` is the same adapter for PEFT: `PeftModel.from_pretrained(base, "peft")`, where `base` is '
             f"{donor.model_id} loaded with transformers (its `base_model_name_or_path`). It was trained on the "
             "donor GGUF's dequantized weights, so on the hub's original weights it computes nearly, not exactly, "

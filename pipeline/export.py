@@ -72,7 +72,8 @@ def run_ship_export(
             save_peft_adapter(model, tmp / PEFT_DIR, base_model=identity.model_id, dropout=plan.lora_dropout)
             metrics["adapter_bytes"] = float(adapter.stat().st_size)
             metrics["peft_bytes"] = float((tmp / PEFT_DIR / "adapter_model.safetensors").stat().st_size)
-        (tmp / CARD).write_text(model_card(meta, identity, plan.ship, _facts(train_dir, named, plan, adapters)))
+        facts = _facts(train_dir, named, plan, adapters, donor.name)
+        (tmp / CARD).write_text(model_card(meta, identity, plan.ship, facts))
     return metrics
 
 
@@ -87,15 +88,16 @@ def run_image_export(train_dir: Path, out_dir: Path, dtype: str, keys: dict[str,
     return {**metrics, "parameters": float(sum(p.numel() for p in model.parameters()))}
 
 
-def _facts(train_dir: Path, named: str, plan: ExportPlan, adapters: bool) -> CardFacts:
-    """The card's numbers: the train stage's record of the weights it kept."""
+def _facts(train_dir: Path, named: str, plan: ExportPlan, adapters: bool, base_file: str) -> CardFacts:
+    """The card's numbers (the train stage's record of the weights it kept) and the adapter's base file."""
     state = read_train_state(train_dir)
     if state is None:
-        return CardFacts(named, plan.dtype, has_adapters=adapters)
+        return CardFacts(named, plan.dtype, has_adapters=adapters, base_file=base_file)
     metrics = {"val_loss": state.val_loss, "val_ppl": math.exp(state.val_loss)}
     if state.initial_val_loss is not None:
         metrics["initial_val_loss"] = state.initial_val_loss
-    return CardFacts(named, plan.dtype, metrics, state.steps, state.kept_step, adapters, state.mlflow_run_id or "")
+    run_id = state.mlflow_run_id or ""
+    return CardFacts(named, plan.dtype, metrics, state.steps, state.kept_step, adapters, run_id, base_file)
 
 
 def _check_vocab(tok_meta: dict[str, Any], vocab_size: int, donor: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -275,6 +276,15 @@ def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base
     resumed = run_train(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan=plan)
     again = [h for h in resumed.history if "epoch_train_ppl" in h]
     assert [h["epoch_train_ppl"] for h in again] == [h["epoch_train_ppl"] for h in ends]
+
+
+def test_the_card_names_the_adapters_base_file(lora_run: Run, tmp_path: Path) -> None:
+    """The card said `llama-cli -m base.gguf --lora adapter.gguf`, a file name no one has."""
+    donor = tmp_path / "My-Base-1M.Q8_0.gguf"
+    shutil.copyfile(lora_run.base_path, donor)
+    run_export(lora_run.dir / "train", donor, tmp_path / "export", "f32", {})
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "llama-cli -m My-Base-1M.Q8_0.gguf --lora adapter.gguf" in card and "base.gguf" not in card
 
 
 def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: Base) -> None:
