@@ -3,6 +3,7 @@ upload of the export folder is described and linked to its base model) and how t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -63,13 +64,24 @@ def front_matter(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: Ca
     return card
 
 
+def article(label: str) -> str:
+    """'a' or 'an' before a size label as it is read aloud: an 11M, an 8.4B, an 18M, an 80M, a 135M, a 1.7B."""
+    digits = re.match(r"\d+", label)
+    if digits is None:
+        return "an" if label[:1].lower() in "aeiou" else "a"
+    n = digits.group()
+    lead = n[: len(n) % 3 or 3]  # the first group of three, as 11,000 is read "eleven thousand"
+    return "an" if lead.startswith("8") or lead in ("11", "18") else "a"
+
+
 def model_card(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: CardFacts) -> str:
     """The whole README.md: front matter, how it was made, how to run it."""
     head = yaml.safe_dump(front_matter(meta, donor, ship, facts), sort_keys=False, allow_unicode=True)
     made = (
         f"a fine-tune ({ship.recipe}) of [{donor.model_id}](https://huggingface.co/{donor.model_id})"
         if ship.finetune
-        else f"a {meta.size_label} student model (recipe `{ship.recipe}`) built from the weights of "
+        else f"{article(meta.size_label)} {meta.size_label} student model (recipe `{ship.recipe}`) built from "
+        "the weights of "
         f"[{donor.model_id}](https://huggingface.co/{donor.model_id}) and trained further"
     )
     numbers = "".join(f"| {k} | {v:.4f} |\n" for k, v in facts.metrics.items())

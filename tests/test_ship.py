@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from pipeline.card import article
 from pipeline.config import EXPORT_TYPES, ExportConfig
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.export import CARD, MODEL_GGUF, ExportPlan, run_ship_export
@@ -266,3 +267,12 @@ def test_an_unknown_export_type_from_python_is_one_named_line(tmp_path: Path, sm
             call()
         assert str(err.value).startswith("export.dtype: expected one of f32, ") and "found 'q3_k'" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]
+
+
+@pytest.mark.parametrize(
+    ("label", "word"),
+    [("11M", "an"), ("8.4B", "an"), ("18M", "an"), ("80M", "an"), ("135M", "a"), ("1.7B", "a"), ("110M", "a")],
+)
+def test_the_card_reads_its_size_label_aloud(label: str, word: str) -> None:
+    """The card said "a 11M student model"."""
+    assert article(label) == word
