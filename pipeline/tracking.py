@@ -167,15 +167,17 @@ class Tracker:
         run = _retry(lambda: self._client.create_run(self.experiment_id, run_name=name, tags=all_tags))
         return Run(self._client, RunInfo(run.info.run_id, self.experiment_id, self.tracking_uri))
 
-    def exists(self, run_id: str) -> bool:
-        """Whether `run_id` is a run of this store (a checkpoint may come from another store)."""
+    def reopenable(self, run_id: str) -> bool:
+        """Whether a checkpoint's run may be reopened: a run of this store that did not finish (a
+        killed or crashed training). A FINISHED run belongs to the execution that completed it (another
+        DVC experiment, another sweep's job with the same config): reopening it logged this execution
+        into that one, and left this execution's parent without its run."""
         from mlflow.exceptions import MlflowException
 
         try:
-            self._client.get_run(run_id)
+            return _retry(lambda: self._client.get_run(run_id)).info.status != "FINISHED"
         except MlflowException:
             return False
-        return True
 
     def resume(self, run_id: str) -> Run:
         """Reopen an existing run (e.g. to keep logging after a restart)."""

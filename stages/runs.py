@@ -146,7 +146,7 @@ def open_run(
         # a sweep's jobs differ in config, so its parent holds the overrides (a tag), not one job's params
         params = None if grp.key_tag == "sweep_id" else resolved
         parent = tracker.parent(grp.key_tag, grp.key, grp.name, parent_tags, params)
-    if resume_id is not None and tracker.exists(resume_id):
+    if resume_id is not None and tracker.reopenable(resume_id):  # a finished run gets a new one
         run = tracker.resume(resume_id)  # params were logged when it started
         run.set_tags({"resumed": "true"})
         return run, parent

@@ -197,3 +197,28 @@ def test_a_pipelines_parent_run_carries_its_evaluate_headline() -> None:
     summarize_parent(Parent(), "evaluate", headline)  # type: ignore[arg-type]
     summarize_parent(None, "evaluate", headline)
     assert logged == [{"summary/val_loss": 2.5, "summary/val_bpb": 0.9, "summary/gap_to_donor": -0.4}]
+
+
+def test_a_checkpoint_of_a_finished_run_starts_a_run_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep job (or a DVC experiment) whose config matches a finished training resumes its final
+    checkpoint; it used to reopen that finished run, so the other experiment's run was logged into
+    and this one's parent had no train run. A killed run is still reopened (resume after a crash)."""
+    from pipeline.config import PipelineConfig
+    from stages.runs import open_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store.db'}")
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    cfg = PipelineConfig()
+    cfg.tracking.experiment = "reopen"
+    tracker = Tracker(default_tracking_uri(tmp_path), "reopen", tmp_path / "artifacts")
+    finished, killed = tracker.start("done/train", {}), tracker.start("killed/train", {})
+    finished.end("FINISHED")
+    killed.end("KILLED")
+    run, _ = open_run("train", cfg, {}, tmp_path, "hash", resume_id=finished.run_id)
+    assert run is not None and run.run_id != finished.run_id
+    run.end()
+    again, _ = open_run("train", cfg, {}, tmp_path, "hash", resume_id=killed.run_id)
+    assert again is not None and again.run_id == killed.run_id
+    again.end()
