@@ -26,7 +26,7 @@ from pipeline.realize import realize
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
-from pipeline.training.runtime import NonFiniteError
+from pipeline.training.runtime import NonFiniteError, interrupted
 from tests.conftest import ROOT
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
@@ -441,3 +441,12 @@ def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tm
     (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith("train step 3:")
     assert [s for s, _ in ckpt.step_dirs(plans[0].root)] == [2]
+
+
+def test_a_stop_in_a_dvc_temp_copy_does_not_promise_a_resume() -> None:
+    """A queued or --temp experiment runs in .dvc/tmp/exps/<tmp>/, which DVC deletes with its checkpoints:
+    "run again with train.resume=auto to continue" promised a resume that re-queuing cannot give."""
+    here = str(interrupted(signal.SIGTERM, 6, "/p/checkpoints/k/step-00000006"))
+    assert here.endswith("fix: run again with train.resume=auto to continue")
+    copy = str(interrupted(signal.SIGTERM, 6, "/p/.dvc/tmp/exps/tmpab12/checkpoints/k/step-00000006"))
+    assert "removes with its checkpoints" in copy and "resume=auto" not in copy and "\n" not in copy

@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -200,16 +201,18 @@ def stop_on_signals() -> Iterator[dict[str, int]]:
             signal.signal(s, h)
 
 
+DVC_TEMP_COPY = "/.dvc/tmp/exps/"  # where `dvc exp run --queue/--temp` runs a copy of the project
+
+
 def interrupted(signum: int, step: int, last: str | None) -> TrainingInterrupted:
     """The error a stop request ends the run with, naming the checkpoint to continue from."""
     where = f"checkpoint {last}" if last else "no checkpoint (train.checkpoint_dir unset)"
     name = signal.Signals(signum).name
-    return TrainingInterrupted(
-        problem(
-            f"train stopped by {name} after step {step}",
-            "an uninterrupted run",
-            f"a stop request; wrote {where}",
-            "run again with train.resume=auto to continue",
-        ),
-        signum,
-    )
+    fix = "run again with train.resume=auto to continue"
+    if last and DVC_TEMP_COPY in Path(last).as_posix():  # DVC deletes the copy, the checkpoint with it
+        fix = (
+            "this ran in a DVC queued/--temp copy, which DVC removes with its checkpoints, so running it again "
+            "starts over; to continue after a stop, run experiments in the workspace (dvc exp run, no --queue/--temp)"
+        )
+    stopped = f"train stopped by {name} after step {step}"
+    return TrainingInterrupted(problem(stopped, "an uninterrupted run", f"a stop request; wrote {where}", fix), signum)
