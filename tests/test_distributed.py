@@ -21,7 +21,7 @@ from pipeline.modeldir import load_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.loop import train
-from tests.test_resume import assert_same_weights, make_project, run_lib, stage_cmd, stage_env
+from tests.test_resume import assert_same_weights, make_project, mark_killed, run_lib, stage_cmd, stage_env
 
 STEPS = 6
 
@@ -99,6 +99,7 @@ def test_ddp_resume_is_bit_identical(project: Path, ddp) -> None:
     (key_dir,) = [d for d in ckpt_dir.iterdir() if d.is_dir()]
     for step in (6, 4):
         shutil.rmtree(key_dir / ckpt.step_name(step))
+    mark_killed(project, state["mlflow_run_id"])  # as if the job had been killed after step 2
     out = torchrun(project, ckpt_dir)
     assert "resuming at step 2" in out.stdout
     assert_same_weights(weights, load_file(str(project / "models" / "train" / "model.safetensors")))

@@ -388,6 +388,13 @@ def run_status(project: Path, run_id: str) -> str:
     return MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}").get_run(run_id).info.status
 
 
+def mark_killed(project: Path, run_id: str) -> None:
+    """What a killed job leaves in the store (a run that FINISHED is not reopened by a later execution)."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}").set_terminated(run_id, "KILLED")
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_checkpoints_and_exits_nonzero(project: Path, tmp_path: Path) -> None:
     proc = start(project, stage_cmd(tmp_path / "c", 5000))
