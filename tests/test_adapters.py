@@ -27,6 +27,7 @@ from pipeline.finetune.base import load_base
 from pipeline.finetune.lora import AdapterError, attach_lora, lora_layers
 from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
 from pipeline.gguf.writer import write_gguf
+from pipeline.modeldir import save_model_dir
 from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
@@ -167,7 +168,6 @@ def test_exported_peft_adapter_loads_on_another_machine(setup: Setup, hf_base, t
 def test_exported_weights_are_readable_by_others_as_any_written_file(setup: Setup, tmp_path: Path) -> None:
     """safetensors keeps its temp file's 0o600: a copied `peft/` (or model dir) was unreadable to a
     server run as another user. Both get the mode a plain open() gives, as the GGUFs beside them do."""
-    from pipeline.modeldir import save_model_dir
 
     mask = os.umask(0o022)
     try:

@@ -41,8 +41,9 @@ from pipeline.train import load_teacher
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
-from stages.common import typed_config
+from stages.common import Paths, typed_config
 from stages.compose import compose_config
+from stages.train import lineage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -289,8 +290,6 @@ def test_a_hand_run_on_another_recipe_names_the_init_before_the_teach_cache(proj
     """`dvc exp run -S recipe=from-scratch` (no distillation), then a hand-run train on the default
     (distilling) config: the error names the recipe the inputs were made with, the cause, rather
     than the teach cache that the from-scratch run did not need."""
-    from stages.common import Paths
-    from stages.train import lineage
 
     root = tmp_path / "project"
     shutil.copytree(project.root / "data", root / "data")

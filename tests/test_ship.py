@@ -26,6 +26,7 @@ from pipeline.modeldir import TrainState, save_model_dir
 from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
+from pipeline.models.registry import export_gguf
 from pipeline.parity import compare, llamacpp_logprobs, llamacpp_parity
 from pipeline.ship import ShipInfo, data_label, donor_identity
 from tests.conftest import write_tiny_gguf
@@ -254,7 +255,6 @@ def test_a_train_dir_missing_a_file_names_the_stage_to_rerun(tmp_path: Path, smo
 
 def test_an_unknown_export_type_from_python_is_one_named_line(tmp_path: Path, smollm2: GGUFFile) -> None:
     """run_export / export_gguf with a type no export writes raised a bare KeyError('q3_k')."""
-    from pipeline.models.registry import export_gguf
 
     cfg = TransformerConfig(vocab_size=49152, d_model=32, n_layer=1, n_head=2, n_kv_head=1, d_ff=64, context_length=32)
     (tmp_path / "train").mkdir()

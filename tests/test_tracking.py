@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import PipelineConfig
+from pipeline.files import atomic_dir
 from pipeline.tracking import Tracker, default_tracking_uri, is_local_store, project_root
-from stages.runs import summarize_parent
+from stages.common import run_stage
+from stages.compose import compose_config
+from stages.runs import open_run, summarize_parent
 
 WORKERS = 4
 
@@ -154,10 +158,6 @@ def test_a_stage_stopped_by_a_signal_is_one_line_a_killed_run_and_no_output(
     output was left; Ctrl-C printed a traceback. Both are now one line, exit 128+N, the run KILLED."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.files import atomic_dir
-    from stages.common import run_stage
-    from stages.compose import compose_config
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = compose_config(["preset=tiny"])
@@ -205,8 +205,6 @@ def test_a_checkpoint_of_a_finished_run_starts_a_run_of_its_own(
     """A sweep job (or a DVC experiment) whose config matches a finished training resumes its final
     checkpoint; it used to reopen that finished run, so the other experiment's run was logged into
     and this one's parent had no train run. A killed run is still reopened (resume after a crash)."""
-    from pipeline.config import PipelineConfig
-    from stages.runs import open_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store.db'}")
     monkeypatch.delenv("DVC_STAGE", raising=False)
