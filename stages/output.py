@@ -15,6 +15,9 @@ from typing import Any
 
 OUTPUTS = ("text", "quiet", "json")
 PLAIN = logging.Formatter("%(message)s")
+# Optuna's sweeper imports alembic, whose plugin set-up logs seven INFO lines before any job starts:
+# quiet it at import, since the sweeper runs before `configure`.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def configure(output: str) -> None:
