@@ -134,6 +134,19 @@ def test_a_short_runs_step_axis_has_whole_steps_only(monkeypatch: pytest.MonkeyP
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_the_grad_norm_log_axis_reads_as_plain_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib's default log labels read "4 x 10^1", "6 x 10^0", "3e-01" on a grad-norm chart."""
+    drawn = []
+    monkeypatch.setattr(pipeline.report.figures, "to_png", lambda fig: drawn.append(fig) or b"")
+    rows = [{"step": s, "grad_norm": g} for s, g in ((0, 38.0), (10, 6.1), (20, 0.4), (30, 0.25))]
+    pipeline.report.figures.series_chart(rows, "grad_norm", "gradient norm", "grad norm", log=True)
+    drawn[0].canvas.draw()
+    axis = drawn[0].axes[0].yaxis
+    labels = [t.get_text() for t in axis.get_majorticklabels() + axis.get_minorticklabels() if t.get_text()]
+    assert {"1", "10"} <= set(labels) and any("." in label for label in labels), labels
+    assert all(float(label) > 0 and "e" not in label and "times" not in label for label in labels), labels
+
+
 def test_runs_measured_on_another_val_split_are_listed_but_not_charted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,7 +7,7 @@ import io
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure as MplFigure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from pipeline.report.content import Figure
 
@@ -17,6 +17,14 @@ THIS_RUN = "#d62728"
 SAME_RECIPE = "#1f77b4"
 OTHER_RECIPE = "#aec7e8"
 COUNTED = ("step", "component", "epoch")  # x axes of whole numbers: ticks only at integers
+
+
+class PlainLogFormatter(LogFormatter):
+    """Log-axis labels as plain numbers ("0.3", "6", "40"), not "3e-01" or "4 x 10^1"; matplotlib
+    still picks which ticks get a label."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}" if super().__call__(x, pos) else ""
 
 
 def to_png(fig: MplFigure) -> bytes:
@@ -57,6 +65,8 @@ def series_chart(rows: Rows, column: str, title: str, ylabel: str, log: bool = F
     ax.plot(xs, ys, linewidth=1)
     if log and ys and min(ys) > 0:
         ax.set_yscale("log")
+        for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis_format(PlainLogFormatter(labelOnlyBase=False))
     fig.tight_layout()
     return Figure(column, title[:1].upper() + title[1:], to_png(fig))
 
