@@ -208,9 +208,15 @@ def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Pro
 
 @pytest.mark.parametrize("distill", [DISTILL, DistillConfig()])
 def test_teach_refuses_a_seq_len_beyond_the_donors_context_with_distillation_on_or_off(
-    project: Project, tmp_path: Path, distill: DistillConfig
+    project: Project, tmp_path: Path, distill: DistillConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off too: the donor's val loss is still measured over windows of train.seq_len (it was a traceback)."""
+    """Off too: the donor's val loss is still measured over windows of train.seq_len (it was a traceback).
+    From the donor's header, before its weights load (the loader raising here: the check came after it)."""
+
+    def no_load(*_: object) -> None:
+        raise AssertionError("the donor's weights were loaded before train.seq_len was checked")
+
+    monkeypatch.setattr("pipeline.teach.load_donor", no_load)
     tcfg = replace(TCFG, seq_len=DONOR.context_length + 1, distill=replace(distill, context=DONOR.context_length + 1))
     with pytest.raises(ConfigError, match=r"config key train.seq_len: expected at most the donor's context_length=64"):
         project.teach_with(tcfg, tmp_path / "t")
