@@ -38,7 +38,13 @@ F32_TOLERANCE = 1e-3
 
 
 def run_evaluate(
-    gguf: Path, packed_dir: Path, train_dir: Path, cfg: PipelineConfig, donor: Path, teach_dir: Path | None = None
+    gguf: Path,
+    packed_dir: Path,
+    train_dir: Path,
+    cfg: PipelineConfig,
+    donor: Path,
+    teach_dir: Path | None = None,
+    val_sha256: str | None = None,
 ) -> tuple[dict[str, float], list[dict[str, str]]]:
     """Val loss/perplexity of the GGUF and samples (greedy and temperature/top-k) per prompt.
 
@@ -52,7 +58,8 @@ def run_evaluate(
     (pipeline.parity; a mean KL above `evaluate.llamacpp_max_kl` fails).
 
     One model at a time (the stage's peak RSS, README "Fine-tuning"): the tuned model does all its
-    work and is freed, then llama.cpp loads the file, then the base.
+    work and is freed, then llama.cpp loads the file, then the base. `val_sha256`: the val file's,
+    when the caller has hashed it already (the stage, for its val_data tag).
     """
     dev = pick_device(cfg.train.device)
     val = load_data(packed_dir, "val")
@@ -65,7 +72,7 @@ def run_evaluate(
     metrics.update(check_parity(gguf, windows, tuned.logits, cfg.evaluate.llamacpp_max_kl))
     release_memory()  # llama.cpp's buffers
     if not is_rows(val):
-        metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len))
+        metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len, val_sha256))
         metrics.update(gap_closed(metrics, cfg.evaluate.baseline_val_loss))
     elif cfg.recipe.finetune:
         metrics.update(_base(donor, val, tuned, cfg, dev))
@@ -161,17 +168,19 @@ def _val_metrics(
     return metrics
 
 
-def reference_metrics(val_loss: float, packed_dir: Path, teach_dir: Path | None, seq_len: int) -> dict[str, float]:
+def reference_metrics(
+    val_loss: float, packed_dir: Path, teach_dir: Path | None, seq_len: int, val_sha256: str | None = None
+) -> dict[str, float]:
     """`val_bpb` (nats per token -> bits per UTF-8 byte of the val text, by the split's token/byte
     ratio) when pack counted bytes; `donor_val_loss`, `donor_val_bpb` and `gap_to_donor` when the
-    teach stage measured the donor on this val split at this seq_len."""
+    teach stage measured the donor on this val split at this seq_len (`val_sha256`: the val file's, if known)."""
     meta = load_meta(packed_dir)
     bits = meta.bits_per_token("val")
     out = {} if bits is None else {"val_bpb": val_loss * bits}
     if teach_dir is None or not (Path(teach_dir) / TEACH_META).is_file():
         return out
     teach = read_teach_meta(teach_dir)
-    same_split = teach.val_sha256 == sha256_file(data_files(packed_dir)[2])
+    same_split = teach.val_sha256 == (val_sha256 or sha256_file(data_files(packed_dir)[2]))
     if teach.donor_val_loss is None or teach.seq_len != seq_len or not same_split:
         return out
     out.update(donor_val_loss=teach.donor_val_loss, gap_to_donor=val_loss - teach.donor_val_loss)

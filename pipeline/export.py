@@ -68,7 +68,7 @@ def run_ship_export(
         link_or_copy(merged, tmp / named)
         metrics = {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
         if adapters:
-            adapter = save_adapter_gguf(model, tmp / ADAPTER_GGUF, provenance)
+            adapter = save_adapter_gguf(model, tmp / ADAPTER_GGUF, keys)  # the merged model's name, base model
             save_peft_adapter(model, tmp / PEFT_DIR, base_model=identity.model_id, dropout=plan.lora_dropout)
             metrics["adapter_bytes"] = float(adapter.stat().st_size)
             metrics["peft_bytes"] = float((tmp / PEFT_DIR / "adapter_model.safetensors").stat().st_size)

@@ -153,12 +153,20 @@ def fingerprint(paths: Iterable[str | os.PathLike[str]]) -> str:
 
     A directory stands for every file under it, named by its path relative to the directory.
     """
-    h = hashlib.sha256()
+    named = []
     for p in map(Path, paths):
         files = [(p.name, p)] if p.is_file() else [(str(f.relative_to(p)), f) for f in _files_under(p)]
-        for name, f in files:
-            h.update(name.encode())
-            h.update(sha256_file(f).encode())
+        named += [(name, sha256_file(f)) for name, f in files]
+    return fingerprint_of(named)
+
+
+def fingerprint_of(named: Iterable[tuple[str, str]]) -> str:
+    """`fingerprint` from (name, sha256) pairs already computed: a caller that needs a file's sha256
+    too reads the file once."""
+    h = hashlib.sha256()
+    for name, digest in named:
+        h.update(name.encode())
+        h.update(digest.encode())
     return h.hexdigest()[:16]
 
 

@@ -34,7 +34,7 @@ from pipeline.errors import ConfigError, DataError, GGUFError, problem
 from pipeline.files import atomic_dir, sha256_file
 from pipeline.models.base import DecoderLM
 from pipeline.models.losses import head_targets
-from pipeline.models.registry import load_gguf
+from pipeline.models.registry import gguf_context_length, load_gguf
 from pipeline.training.batches import check_split_fits
 from pipeline.training.validation import evaluate_loss
 
@@ -151,8 +151,8 @@ def run_teach(
                 "set train.distill.weight=0, or distil on text data",
             )
         )
+    check_teach(tcfg, pmeta, gguf_context_length(donor))  # before the donor's weights load
     model = load_donor(donor, pmeta.vocab_size).to(device)
-    check_teach(tcfg, pmeta, model.cfg.context_length)
     _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
     cache_start, top_k_mass = time.perf_counter(), None
     with atomic_dir(out_dir) as tmp:
@@ -185,8 +185,8 @@ def _record_off(
     """Distillation off: the meta with the donor's val loss (token corpora only), no cache."""
     metrics = {"cached_positions": 0.0}
     if pmeta.format == "tokens":
+        check_limits([seq_len_limit(tcfg, gguf_context_length(donor))])  # before the donor's weights load
         model = load_donor(donor, pmeta.vocab_size).to(device)
-        check_limits([seq_len_limit(tcfg, model.cfg.context_length)])
         _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
         metrics["donor_val_loss"] = float(meta.donor_val_loss)
     meta.seconds = time.perf_counter() - start

@@ -32,14 +32,13 @@ from pipeline.files import fingerprint, write_json, write_text
 from pipeline.gguf.reader import resolve_gguf_path
 from pipeline.tracking import Run, project_root
 from stages import output
-from stages.overrides import check_overrides, forget_unknown_key, unknown_key_message
+from stages.overrides import SWEEP_DIR, check_overrides, forget_refused_sweep, forget_unknown_key, unknown_key_message
 from stages.runs import open_run, summarize_parent
 from stages.signals import restore_sigterm, stop_on_sigterm, stopped
 
 CONFIG_PATH = "../conf"
 T = TypeVar("T")
 CONFIG_NAME = "config"
-SWEEP_DIR = "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}-${run_token:}"  # as conf/config.yaml's hydra.sweep.dir
 # MLflow's run page draws one chart per key, in sections by prefix (alphabetical, unprefixed last):
 # the loss curves share the first section, the single-value summaries (`summary/`) the next.
 # With distillation the train loss's two parts are charted beside it (`loss/train_ce`, `loss/train_kd`).
@@ -157,9 +156,15 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def refuse(message: str) -> None:
+    """`fail` before the stage ran anything: a multirun refused at its first job leaves no sweep dir."""
+    forget_refused_sweep()
+    fail(message)
+
+
 def config_failed(e: PipelineError) -> None:
-    """`fail` for a config the schema refused; a refused unknown key is also taken out of params.yaml."""
-    fail(str(e) + (forget_unknown_key(e.key) if isinstance(e, UnknownKeyError) else ""))
+    """`refuse` a config the schema refused; a refused unknown key is also taken out of params.yaml."""
+    refuse(str(e) + (forget_unknown_key(e.key) if isinstance(e, UnknownKeyError) else ""))
 
 
 def entry(main: Callable[[], Any]) -> None:
@@ -335,7 +340,7 @@ def run_stage(
         tags = lineage(typed, paths) if lineage is not None else {}
         resume_id = resume_run(typed, paths) if resume_run is not None else None
     except PipelineError as e:
-        fail(str(e))
+        refuse(str(e))
     run, parent = (None, None)
     if primary:
         run, parent = open_run(stage, typed, resolved, project_root(paths.root), config_hash(resolved), resume_id)

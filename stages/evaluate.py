@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from pipeline.data.packed import load_meta, split_fingerprint
+from pipeline.data.packed import data_files, load_meta, split_fingerprint, split_sha256
 from pipeline.evaluate import run_evaluate
 from pipeline.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
 from pipeline.files import atomic_dir, write_text
@@ -27,12 +27,17 @@ CONFUSION_PLOT = "confusion.csv"  # plots/evaluate/: DVC's confusion plot (a hea
 def body(ctx: StageContext) -> dict[str, float]:
     gguf_path = ctx.paths.export / "model.gguf"
     ctx.add_input("gguf", gguf_path)
+    images = load_meta(ctx.paths.packed).format == "images"
+    # the val split's files hashed once: for the tag and for the donor's val loss check (text)
+    hashes = {} if images and ctx.run is None else split_sha256(ctx.paths.packed, "val")
     if ctx.run is not None:  # the report charts only the runs measured on the same val split
-        ctx.run.set_tags({VAL_DATA_TAG: split_fingerprint(ctx.paths.packed, "val")})
-    if load_meta(ctx.paths.packed).format == "images":
+        ctx.run.set_tags({VAL_DATA_TAG: split_fingerprint(ctx.paths.packed, "val", hashes)})
+    if images:
         return images_body(ctx, gguf_path)
     write_text(ctx.plots_dir / CONFUSION_PLOT, CONFUSION_HEADER + "\n")
-    metrics, samples = run_evaluate(gguf_path, ctx.paths.packed, ctx.paths.train, ctx.cfg, ctx.donor, ctx.paths.teach)
+    val_sha256 = hashes.get(data_files(ctx.paths.packed)[2].name)
+    paths = ctx.paths
+    metrics, samples = run_evaluate(gguf_path, paths.packed, paths.train, ctx.cfg, ctx.donor, paths.teach, val_sha256)
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")

@@ -26,6 +26,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.errors import ConfigError
 from pipeline.files import flatten, write_text
 
+SWEEP_DIR = "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}-${run_token:}"  # as conf/config.yaml's hydra.sweep.dir
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes in a job's .hydra/
+
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "inputs": ("data", "donor.path"),
     "pack": ("data", "donor.path"),
@@ -103,6 +106,32 @@ def check_sweep(stage: str, argv: list[str]) -> None:
         declared = STAGE_PARAMS[stage] + EVERY_STAGE
         if o.is_sweep_override() and not reads(stage, key) and not any(p.startswith(key + ".") for p in declared):
             raise ConfigError(unread_message(stage, [key], [o.input_line or key]))
+
+
+def forget_refused_sweep() -> None:
+    """A multirun refused at its first job ran nothing, yet Hydra had made its sweep dir: take out
+    Hydra's own files there (multirun.yaml, the job's .hydra/, its log when empty) and each directory
+    left empty, up to multirun/. Only in a sweep dir of this run's own (the tokened default that
+    `sweep_dir_args` adds); whatever else is in it stays, and so does a sweep dir the user named."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    hc = HydraConfig.get()
+    if hc.job.num != 0 or f"hydra.sweep.dir={SWEEP_DIR}" not in sys.argv:  # hc.overrides holds it resolved
+        return
+    sweep, job = Path(hc.runtime.cwd) / hc.sweep.dir, Path(hc.runtime.output_dir)
+    meta = job / (hc.output_subdir or ".hydra")
+    log = job / f"{hc.job.name}.log"
+    for f in [sweep / "multirun.yaml", *(meta / n for n in HYDRA_FILES), *([log] if _empty_file(log) else [])]:
+        f.unlink(missing_ok=True)
+    for d in (meta, job, sweep, *list(sweep.parents)[: len(Path(SWEEP_DIR).parts) - 1]):  # date dir, multirun/
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            return
+
+
+def _empty_file(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size == 0
 
 
 def unread_message(stage: str, ignored: list[str], task: list[str]) -> str:

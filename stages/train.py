@@ -22,6 +22,7 @@ from pipeline.files import write_text
 from pipeline.lineage import check_init, check_packed, check_teach
 from pipeline.modeldir import weight_files
 from pipeline.train import run_train, sized
+from pipeline.training.checkpoint import Checkpoint
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
@@ -44,7 +45,7 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     if cfg.train.distill.enabled:
         ctx.add_input("teach_meta", ctx.paths.teach / "meta.json")
     if plan.resume is not None and is_main_process():
-        log.info(f"train: resuming at step {plan.resume.step} from {plan.resume.path}")
+        log.info(resume_line(plan.resume, cfg.train.steps))
     bits = load_meta(ctx.paths.packed).bits_per_token("val")
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text", bits_per_token=bits)
     if ctx.run is not None:
@@ -77,6 +78,17 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
             "train.keep_best=false keeps the last)"
         )
     return metrics(result, bits)
+
+
+def resume_line(found: Checkpoint, steps: int) -> str:
+    """What a resume will do: the final checkpoint (or one early stopping ended the run at) trains no
+    step, which "resuming at step N" did not say; its outputs are written from it all the same."""
+    done = "nothing to train, writing its outputs"
+    if found.step >= steps:
+        return f"train: already at step {found.step} of {steps} ({found.path}); {done}"
+    if found.state.get("stopped_early"):
+        return f"train: stopped early at step {found.step} of {steps} (train.early_stop_patience, {found.path}); {done}"
+    return f"train: resuming at step {found.step} of {steps} from {found.path}"
 
 
 # plots/train/<file>.tsv: its columns, taken from the history rows that have the first one after `step`

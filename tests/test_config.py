@@ -183,6 +183,25 @@ def test_a_multirun_on_the_composed_params_gets_a_tokened_sweep_dir_too(tmp_path
     assert [re.fullmatch(r"\d\d-\d\d-\d\d-[0-9a-f]{6}", d.name) is not None for d in day.iterdir()] == [True]
 
 
+def test_a_refused_multirun_leaves_no_sweep_dir_behind(tmp_path: Path) -> None:
+    """A sweep refused at its first job left multirun/<date>/<time>/ with only Hydra's bookkeeping in it.
+    Directories it did not make stay, and so does a sweep dir the user named."""
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "multirun" / "keep").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "stages.train", "--config-dir", ".", "--config-name", "params", "-m", "output=quiet"]
+    for extra in ([], ["hydra.sweep.dir=multirun/mine"]):
+        proc = subprocess.run(
+            [*args, "data.val_fraction=0.1,0.2", *extra], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "config key data.val_fraction" in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+        if not extra:
+            assert [d.name for d in (tmp_path / "multirun").iterdir()] == ["keep"]
+    assert sorted(d.name for d in (tmp_path / "multirun").iterdir()) == ["keep", "mine"]
+
+
 def test_a_group_choice_on_the_composed_params_is_one_line_naming_the_group() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "stages.pack", "--config-dir", ".", "--config-name", "params", "data=dir"],

@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from pipeline.data.corpus import load_documents
-from pipeline.data.packed import load_split
+from pipeline.data.packed import load_split, split_fingerprint
 from pipeline.data.teacher import META_FILE, TeacherCache, read_meta
 from pipeline.data.text import pack
 from pipeline.errors import ConfigError, DataError
 from pipeline.files import sha256_file
+from pipeline.gguf.reader import donor_tokenizer_metadata
 from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.inputs import donor_record
 from pipeline.lineage import check_teach
@@ -41,8 +42,9 @@ from pipeline.train import load_teacher
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
-from stages.common import Paths, typed_config
+from stages.common import Paths, run_stage, typed_config
 from stages.compose import compose_config
+from stages.evaluate import body as evaluate_body
 from stages.train import lineage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -208,9 +210,15 @@ def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Pro
 
 @pytest.mark.parametrize("distill", [DISTILL, DistillConfig()])
 def test_teach_refuses_a_seq_len_beyond_the_donors_context_with_distillation_on_or_off(
-    project: Project, tmp_path: Path, distill: DistillConfig
+    project: Project, tmp_path: Path, distill: DistillConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off too: the donor's val loss is still measured over windows of train.seq_len (it was a traceback)."""
+    """Off too: the donor's val loss is still measured over windows of train.seq_len (it was a traceback).
+    From the donor's header, before its weights load (the loader raising here: the check came after it)."""
+
+    def no_load(*_: object) -> None:
+        raise AssertionError("the donor's weights were loaded before train.seq_len was checked")
+
+    monkeypatch.setattr("pipeline.teach.load_donor", no_load)
     tcfg = replace(TCFG, seq_len=DONOR.context_length + 1, distill=replace(distill, context=DONOR.context_length + 1))
     with pytest.raises(ConfigError, match=r"config key train.seq_len: expected at most the donor's context_length=64"):
         project.teach_with(tcfg, tmp_path / "t")
@@ -402,6 +410,42 @@ def test_evaluate_reports_bits_per_byte_and_the_gap_to_the_donor(project: Projec
     assert out["donor_val_bpb"] == pytest.approx(out["val_bpb"] * donor / 4.0)
     assert set(reference_metrics(4.0, project.packed, project.teach, 32)) == {"val_bpb"}  # another seq_len
     assert set(reference_metrics(4.0, project.packed, tmp_path / "none", 16)) == {"val_bpb"}
+
+
+def test_the_evaluate_stage_hashes_the_val_split_once(project: Project, tmp_path: Path, monkeypatch, smollm2) -> None:
+    """The val_data tag and the donor val loss check each read val.bin through sha256 (twice per run)."""
+    root = tmp_path / "project"
+    shutil.copytree(project.root, root)
+    (root / "models" / "export").mkdir(parents=True)
+    export_llama(
+        load_model_dir(root / "models/init"),
+        root / "models/export/model.gguf",
+        donor_tokenizer_metadata(smollm2),
+        {},
+        "f32",
+    )
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    reads: list[str] = []
+
+    def counted(path) -> str:
+        reads.append(Path(path).name)
+        return sha256_file(path)
+
+    for module in ("pipeline.files", "pipeline.evaluate", "pipeline.data.packed"):
+        monkeypatch.setattr(f"{module}.sha256_file", counted, raising=False)
+    cfg = compose_config(
+        [f"donor.path={root / 'donor.gguf'}", "data.val_fraction=0.25", "train.device=cpu", "train.threads=1"]
+        + ["train.seq_len=16", "train.batch_size=4", "evaluate.prompts=[a]", "evaluate.max_new_tokens=2"]
+        + ["evaluate.llamacpp_windows=0"]
+    )
+    metrics = run_stage("evaluate", cfg, evaluate_body)
+    assert reads.count("val.bin") == 1 and metrics["donor_val_loss"] == read_meta(project.teach).donor_val_loss
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
+    assert run.data.tags["val_data"] == split_fingerprint(root / "data/packed", "val")
 
 
 def test_gap_closed_against_a_baseline() -> None:

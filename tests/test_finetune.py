@@ -287,6 +287,19 @@ def test_the_card_names_the_adapters_base_file(lora_run: Run, tmp_path: Path) ->
     assert "llama-cli -m My-Base-1M.Q8_0.gguf --lora adapter.gguf" in card and "base.gguf" not in card
 
 
+def test_the_adapter_gguf_carries_the_models_name_and_base_model(lora_run: Run, tmp_path: Path) -> None:
+    """adapter.gguf had no general.name nor general.base_model.*: it now has the merged model's, as
+    convert_lora_to_gguf.py writes them, and stays an adapter whatever the provenance keys say."""
+    run_export(lora_run.dir / "train", lora_run.base_path, tmp_path / "export", "f32", {"general.type": "model"})
+    model = GGUFFile(tmp_path / "export" / "model.gguf").metadata
+    adapter = GGUFFile(tmp_path / "export" / "adapter.gguf").metadata
+    base_keys = {k: v for k, v in model.items() if k.startswith("general.base_model.")}
+    assert model["general.base_model.count"] == 1 and "general.base_model.0.name" in base_keys
+    assert {k: adapter.get(k) for k in base_keys} == base_keys
+    assert adapter["general.name"] == model["general.name"] and adapter["general.name"]
+    assert (adapter["general.type"], adapter["adapter.type"], adapter["adapter.lora.alpha"]) == ("adapter", "lora", 8.0)
+
+
 def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: Base) -> None:
     out = lora_run.dir / "export"
     metrics = run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {"general.name": "tuned"})

@@ -457,3 +457,49 @@ def test_a_stop_in_a_dvc_temp_copy_does_not_promise_a_resume() -> None:
     assert here.endswith("fix: run again with train.resume=auto to continue")
     copy = str(interrupted(signal.SIGTERM, 6, "/p/.dvc/tmp/exps/tmpab12/checkpoints/k/step-00000006"))
     assert "removes with its checkpoints" in copy and "resume=auto" not in copy and "\n" not in copy
+
+
+def test_resuming_the_final_checkpoint_says_nothing_is_left_and_writes_the_same_outputs(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A re-run whose newest checkpoint is the last step logged "resuming at step 4" as if steps remained."""
+    from safetensors.torch import load_file
+
+    from stages.common import run_stage
+    from stages.compose import compose_config
+    from stages.train import body, checkpoint_plan
+
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = compose_config(stage_cmd(tmp_path / "c", 4)[3:] + ["train.eval_every=2"])
+
+    def once() -> tuple[dict[str, float], dict[str, torch.Tensor], str]:
+        plans = []
+
+        def resume_run(typed, paths):
+            plans.append(checkpoint_plan(typed, paths))
+            return None
+
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            metrics = run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
+        return metrics, load_file(str(project / "models" / "train" / "model.safetensors")), caplog.text
+
+    runs = [once(), once()]
+    (first, weights, log1), (again, weights2, log2) = runs
+    assert "train: resuming at" not in log1 + log2
+    assert "train: already at step 4 of 4 (" in log2 and "nothing to train" in log2
+    assert_same_weights(weights, weights2)
+    assert again["steps"] == 4 and again["resumed_from"] == 4
+    assert again["kept_val_loss"] == first["kept_val_loss"] and again["final_val_loss"] == first["final_val_loss"]
+
+
+def test_the_resume_line_says_what_remains() -> None:
+    from stages.train import resume_line
+
+    def at(step: int, **state) -> ckpt.Checkpoint:
+        return ckpt.Checkpoint(Path("c/k") / ckpt.step_name(step), {"step": step, **state})
+
+    assert resume_line(at(2), 8).startswith("train: resuming at step 2 of 8 from c/k/step-00000002")
+    assert "stopped early at step 6 of 8" in resume_line(at(6, stopped_early=True), 8)
+    assert "nothing to train" in resume_line(at(6, stopped_early=True), 8) and "nothing" not in resume_line(at(2), 8)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import DataError, problem
-from pipeline.files import atomic_file, fingerprint, write_json
+from pipeline.files import atomic_file, fingerprint_of, sha256_file, write_json
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -179,10 +179,16 @@ def data_files(packed_dir: Path) -> list[Path]:
     return [Path(packed_dir) / n for n in (META_FILE, f"train.{ext}", f"val.{ext}")]
 
 
-def split_fingerprint(packed_dir: Path, split: str) -> str:
-    """What identifies one split's contents (`fingerprint` of its files): runs measured on equal val
-    fingerprints saw the same windows, rows or images, so their losses compare."""
-    return fingerprint(f for f in data_files(packed_dir) if f.name.startswith(f"{split}."))
+def split_sha256(packed_dir: Path, split: str) -> dict[str, str]:
+    """File name -> sha256 of one split's files, read once for both its fingerprint and the teach
+    stage's check that the donor's val loss is of this split."""
+    return {f.name: sha256_file(f) for f in data_files(packed_dir) if f.name.startswith(f"{split}.")}
+
+
+def split_fingerprint(packed_dir: Path, split: str, hashes: dict[str, str] | None = None) -> str:
+    """What identifies one split's contents (`fingerprint` of its files, from `hashes` when given):
+    runs measured on equal val fingerprints saw the same windows, rows or images, so their losses compare."""
+    return fingerprint_of((hashes if hashes is not None else split_sha256(packed_dir, split)).items())
 
 
 def write_images(out_dir: Path, split: str, pixels: np.ndarray, labels: np.ndarray) -> None:

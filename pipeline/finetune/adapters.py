@@ -86,12 +86,13 @@ def adapter_gguf_tensors(model: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def save_adapter_gguf(model: nn.Module, path: str | os.PathLike[str], provenance: dict[str, Any] | None = None) -> Path:
-    """The attached adapters as a llama.cpp LoRA adapter GGUF (f32), written atomically."""
+def save_adapter_gguf(model: nn.Module, path: str | os.PathLike[str], keys: dict[str, Any] | None = None) -> Path:
+    """The attached adapters as a llama.cpp LoRA adapter GGUF (f32), written atomically. `keys` are
+    the export's `general.*` keys (name, base_model.*: pipeline.ship) and provenance; the adapter's
+    own keys (general.type, adapter.*) are set last so nothing in `keys` can turn it into a model."""
     info = lora_config_of(model)
-    metadata: dict[str, Any] = {"general.type": "adapter", "adapter.type": "lora"}
-    metadata.update(provenance or {})
-    metadata["adapter.lora.alpha"] = float(info["alpha"])
+    metadata: dict[str, Any] = dict(keys or {})
+    metadata |= {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(info["alpha"])}
     return write_gguf(path, model.cfg.arch, metadata, adapter_gguf_tensors(model), dtype="f32")
 
 

@@ -67,3 +67,11 @@ def load_gguf(path: Path) -> tuple[DecoderLM, GGUFFile]:
     """A whole GGUF model as our fp32 module, by its `general.architecture`."""
     g = GGUFFile(path)
     return _entry(g.architecture, f"{path} general.architecture", GGUFError).load(g), g
+
+
+def gguf_context_length(path: Path) -> int:
+    """The context length a GGUF model declares, from its header alone (no weights read): a stage
+    checks what it limits (train.seq_len) before paying for the load."""
+    g = GGUFFile(path)
+    _entry(g.architecture, f"{path} general.architecture", GGUFError)  # an unknown one named as load_gguf does
+    return g.int_key(f"{g.architecture}.context_length")
