@@ -26,6 +26,7 @@ from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.realize import realize
 from pipeline.training.loop import train
 from tests.helpers import transformers_overrides
+from tests.scratch import TINY_VAL_FRACTION
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 49152
@@ -274,6 +275,7 @@ def test_stage_chain_trains_exports_and_evaluates_gpt2(tmp_path: Path) -> None:
         "train.device=cpu",
         "tracking.enabled=false",
         "evaluate.max_new_tokens=8",
+        f"data.val_fraction={TINY_VAL_FRACTION}",  # 630 val tokens, not 7191: each val pass is 49152-way logits
         *("model.d_model=32", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2", "model.d_ff=128"),
     ]
     for stage in ("pack", "realize", "train", "export", "evaluate"):
