@@ -14,6 +14,7 @@ from pipeline.config import ModelConfig
 from pipeline.donor import pca
 from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
 from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.models.llama import _RMSNorm, _Rope, _SwiGLU
 from pipeline.models.llama_gguf import export_llama, load_llama
 from pipeline.realize import realize
 
@@ -142,3 +143,29 @@ def test_kv_cache_matches_full_forward() -> None:
     assert len(generate_ids(m, prompt, TINY.context_length + 5)) == TINY.context_length + 5
     a = generate_ids(m, prompt, 8, temperature=1.0, top_k=5, seed=3)
     assert a == generate_ids(m, prompt, 8, temperature=1.0, top_k=5, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["rms_norm", "rope", "swiglu"])
+def test_the_layers_own_backward_gives_the_same_gradients_under_torch_compile(name: str, dtype: torch.dtype) -> None:
+    """torch 2.11's dynamo zeroed every input gradient of an autograd.Function whose forward ended in a
+    cast that did nothing (`.to(x.dtype)` of an fp32 result): compiled blocks trained RMSNorm and Q/K
+    on zero gradients, silently. Dynamo's own `eager` backend shows it without compiling anything."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, generator=g).to(dtype)
+    args = {
+        "rms_norm": (_RMSNorm.apply, (x, torch.randn(8, generator=g)), (1e-5,)),
+        "rope": (_Rope.apply, (x,), (torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))),
+        "swiglu": (_SwiGLU.apply, (x, torch.randn(2, 3, 5, 8, generator=g).to(dtype)), ()),
+    }
+    fn, inputs, constants = args[name]
+    weights = torch.randn(x.shape, generator=g)
+    grads = []
+    for compiled in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        call = torch.compile(fn, backend="eager", fullgraph=True) if compiled else fn
+        (call(*leaves, *constants).float() * weights).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads):
+        assert eager.abs().sum() > 0
+        torch.testing.assert_close(compiled, eager)

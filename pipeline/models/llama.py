@@ -17,6 +17,13 @@ from pipeline.models.devices import to_device
 from pipeline.models.varlen import PackedRows
 
 
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype`, itself when it is that already. An autograd.Function's forward must not end in a
+    cast that does nothing (`.to` / `.float()` of a tensor of that dtype): under torch.compile in torch
+    2.11 its inputs then get zero gradients (2.6, 2.12 and 2.13 are right; `tests/test_model.py` checks)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm keeping only its input and one scale per row for backward (autograd's own graph of the
     fp32 ops kept three fp32 copies of each row: a quarter of a LoRA step's activation memory)."""
@@ -26,7 +33,7 @@ class _RMSNorm(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.float()).to(x.dtype)
+        return _in_dtype(xf * rstd * weight.float(), x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -77,7 +84,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    return _in_dtype(out.flatten(-2), x.dtype)
 
 
 class _Rope(torch.autograd.Function):
