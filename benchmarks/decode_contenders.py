@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 from gpu_common import clock, device_name, guarded, hf_llama, memory_label, named_shapes, peak_mib, release
 
-from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.base import init_weights
-from pipeline.models.decode import for_decoding
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.inference.decode import for_decoding
+from pipeline.inference.sampling import Sampling, stream_ids
 from pipeline.models.llama import Llama
 from pipeline.models.registry import load_gguf
-from pipeline.models.sampling import Sampling, stream_ids
+from pipeline.models.transformer import init_weights
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
 CONTENDERS = ("ours", "hf", "hf-static")
 Runner = Callable[[int], tuple[list[int], float, float]]  # k -> (ids, prefill s, decode s)

@@ -4,7 +4,7 @@
 
 Both decode the same prompt ids (our tokenizer) for the same number of new tokens, greedily, on
 the same number of threads, after a warm-up; runs are interleaved (ours int8, bf16, fp32 as
-`generate precision=...` runs them, i.e. `pipeline.models.decode.for_decoding`; with `--eager` also
+`generate precision=...` runs them, i.e. `pipeline.inference.decode.for_decoding`; with `--eager` also
 the plain bf16 module; then llama.cpp) and the median of the repeats is reported, because the
 machine is shared. Decode rate
 = tokens after the first over their time (llama.cpp's "eval" rate); prefill = prompt pass + first
@@ -41,12 +41,12 @@ from collections.abc import Callable
 import torch
 from decode_contenders import CONTENDERS, run_all, timed  # this folder is on sys.path when run as a script
 
-from pipeline.chat import common_prefix
-from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.decode import PRECISIONS, PackedLlama, for_decoding
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.inference.chat_session import common_prefix
+from pipeline.inference.decode import PRECISIONS, PackedLlama, for_decoding
+from pipeline.inference.sampling import Sampling, stream_ids
 from pipeline.models.registry import load_gguf
-from pipeline.models.sampling import Sampling, stream_ids
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
 PROMPT = "The history of the Python programming language begins"
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import DistillConfig, OptimConfig, TrainConfig  # noqa: E402
 from pipeline.data.packed import load_split  # noqa: E402
 from pipeline.gguf.reader import resolve_gguf_path  # noqa: E402
-from pipeline.modeldir import load_model_dir  # noqa: E402
-from pipeline.train import load_teacher  # noqa: E402
+from pipeline.io.modeldir import load_model_dir  # noqa: E402
 from pipeline.training.loop import train  # noqa: E402
+from pipeline.training.trainer import load_teacher  # noqa: E402
 
 
 def step_rate(mode: str, steps: int, teachers: dict) -> float:
@@ -39,7 +39,7 @@ def step_rate(mode: str, steps: int, teachers: dict) -> float:
         teachers[mode] = load_teacher(tcfg, ROOT / "data" / "teach", resolve_gguf_path("smollm2"), 49152)
     model = load_model_dir(ROOT / "models" / "init")
     val = load_split(packed, "val")[:1000]  # the one validation at the end, kept short
-    result, _ = train(
+    result = train(
         model, load_split(packed, "train"), val, tcfg, OptimConfig(), 0, progress=False, teacher=teachers[mode]
     )
     return statistics.median(h["tokens_per_second"] for h in result.history[1:])

@@ -9,7 +9,7 @@
 # `profile` (not in the default list: the three fill one call) says where a training step's time goes: our loop
 # on the 135m shape under torch.profiler (benchmarks/profile_step.py: step time and MFU, host waits per step and
 # where they come from, kernels per step, GPU idle share, time by category, top kernels): eager (with the Triton
-# kernels of pipeline/models/fused.py), eager without them (--plain), then compiled, each its own invocation (a
+# kernels of pipeline/models/ops/fused.py), eager without them (--plain), then compiled, each its own invocation (a
 # compile that runs past its timeout loses only its own figures). Run it as the follow-up call (about 5 minutes
 # at most):
 #     bash benchmarks/gpu_commands.sh profile qlora

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from pipeline.models.base import TransformerConfig
+from pipeline.models.transformer import TransformerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer every shape of ours trains with (pydoc data, the donor)

@@ -29,8 +29,8 @@ import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
-from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.lmeval import MODEL_NAME, model_class
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.evaluate.lmeval import MODEL_NAME, model_class
 
 EASY = [
     ("The capital of France is", ["Paris", "a banana"], 0),

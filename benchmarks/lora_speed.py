@@ -67,7 +67,7 @@ def peak_rss_mib() -> float:
 def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False, compile_: bool = False):
     """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
     from pipeline.config import LoraConfig, OptimConfig
-    from pipeline.finetune.base import build_finetune, prepare_training
+    from pipeline.finetune.model import build_finetune, prepare_training
     from pipeline.training.optim import clip_gradients, make_optimizer
     from pipeline.training.runtime import (
         autocast,
@@ -200,7 +200,7 @@ def make_rows(tmp: Path, seq_len: int, donor: Path) -> Path:
     from pipeline.data.packed import save_rows
     from pipeline.data.pydoc_qa import write_pydoc_instruct
     from pipeline.gguf.reader import GGUFFile
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+    from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
     write_pydoc_instruct(tmp)
     g = GGUFFile(donor)
@@ -268,8 +268,8 @@ def requantized(src: Path, dst: Path, dtype: str) -> Path:
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every contender's child `--repeats` times, alternated; their figures summarized."""
     sys.path.insert(0, str(ROOT))
+    from pipeline.donor.locate import resolve_gguf_path
     from pipeline.gguf.quantize import llamacpp_quantize
-    from pipeline.gguf.reader import resolve_gguf_path
 
     names = args.contenders.split(",")
     donor = resolve_gguf_path(args.donor)

@@ -36,8 +36,9 @@ from pathlib import Path
 from pipeline.config import DataConfig
 from pipeline.data.corpus import iter_documents
 from pipeline.data.text import pack, peak_rss_mb
-from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.gguf.reader import GGUFFile
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 tok = tokenizer_from_gguf(GGUFFile(resolve_gguf_path("smollm2")))
 cfg = DataConfig(source=sys.argv[1], path=sys.argv[2])
 t = time.perf_counter()
@@ -49,8 +50,9 @@ print(json.dumps({"tokens": m["tokens"], "documents": m["documents"], "seconds":
 PLAIN = r"""
 import gzip, json, resource, sys, time
 import pyarrow.parquet as pq
-from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.gguf.reader import GGUFFile
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 rust = tokenizer_from_gguf(GGUFFile(resolve_gguf_path("smollm2")))._tok  # the same tokenizers.Tokenizer
 t = time.perf_counter()
 tokens = documents = 0

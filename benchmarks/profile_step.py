@@ -39,8 +39,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.models.base import init_weights
 from pipeline.models.llama import Llama
+from pipeline.models.transformer import init_weights
 from pipeline.training import loop
 
 # (category, regex on the lower-cased name); the first match wins, else OTHER. CPU: aten ops; CUDA: kernels (cuBLAS
@@ -175,8 +175,8 @@ def run_loop(args: argparse.Namespace, shape: Shape, window: Window) -> loop.Tra
 
     with mock.patch.object(loop, "lr_at", lr_at):
         try:
-            result, _ = loop.train(
-                model, data, data[: shape.seq + 1], tcfg, OptimConfig(), 0, loop.Hooks(progress=False), progress=False
+            result = loop.train(
+                model, data, data[: shape.seq + 1], tcfg, OptimConfig(), 0, loop.Hooks(), progress=False
             )
         finally:
             window.close()

@@ -44,9 +44,10 @@ def child(args: argparse.Namespace) -> dict:
 
     from pipeline.config import LoraConfig
     from pipeline.data.packed import load_rows
-    from pipeline.finetune.base import load_base, prepare_training
+    from pipeline.donor.load import load_base
+    from pipeline.donor.locate import resolve_gguf_path
     from pipeline.finetune.lora import attach_lora, trainable_summary
-    from pipeline.gguf.reader import resolve_gguf_path
+    from pipeline.finetune.model import prepare_training
     from pipeline.training.batches import RowSampler
 
     torch.set_num_threads(args.threads)
@@ -137,8 +138,9 @@ def main() -> None:
     from pipeline.data.instruct import build_instruct, read_instruct_jsonl
     from pipeline.data.packed import save_rows
     from pipeline.data.pydoc_qa import write_pydoc_instruct
-    from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+    from pipeline.donor.locate import resolve_gguf_path
+    from pipeline.gguf.reader import GGUFFile
+    from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
     with tempfile.TemporaryDirectory() as tmp:
         # rows are built once here and packed like the train stage's (segment-masked attention)

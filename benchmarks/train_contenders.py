@@ -35,9 +35,9 @@ from gpu_common import (  # this folder is on sys.path when run as a script
 )
 
 from pipeline.config import OptimConfig
-from pipeline.models.base import init_weights
-from pipeline.models.fused import use_fused_kernels
 from pipeline.models.llama import Llama
+from pipeline.models.ops.fused import use_fused_kernels
+from pipeline.models.transformer import init_weights
 from pipeline.training.graphed import GraphedStep
 from pipeline.training.optim import gradient_norm, make_optimizer
 from pipeline.training.queued import nonfinite

@@ -53,8 +53,8 @@ import torch
 from gpu_common import H100_BF16_TFLOPS, Shape, hf_llama, pick_shapes  # this folder is on sys.path when run as a script
 from train_contenders import CONTENDERS, run_all, step_fn
 
-from pipeline.models.base import init_weights
 from pipeline.models.llama import Llama
+from pipeline.models.transformer import init_weights
 from pipeline.training.runtime import compile_blocks, keep_freed_memory
 
 D_MODEL, N_LAYER, N_HEAD, D_FF = 256, 4, 4, 688

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from filelock import FileLock
 
-from pipeline.files import flatten
+from pipeline.io.files import flatten
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 PROJECT_ROOT_ENV = "DVC_ROOT"  # DVC sets it to the project (not the temp copy) for queued/temp experiments

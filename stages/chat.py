@@ -15,14 +15,16 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from pipeline.chat import ChatSession, TurnStats
 from pipeline.config import ChatConfig
 from pipeline.errors import PipelineError
-from pipeline.generate import chat_prompt, load_for_generation
-from pipeline.models.decode import for_decoding
-from pipeline.models.sampling import Sampling
+from pipeline.inference.chat_session import ChatSession, TurnStats
+from pipeline.inference.decode import for_decoding
+from pipeline.inference.generate import chat_prompt, load_for_generation
+from pipeline.inference.sampling import Sampling
 from pipeline.training.runtime import pick_device
-from stages.common import CONFIG_PATH, entry, fail, structured_config
+from stages._run.exits import entry, fail
+from stages._run.lifecycle import CONFIG_PATH
+from stages._run.typed import structured_config
 
 
 def open_session(cfg: ChatConfig) -> ChatSession:

@@ -1,6 +1,6 @@
 """donor: read the donor GGUF's embedding table and PCA it down to model.d_model, or, for
 recipe.init=subclone, run the whole donor over part of the train split and measure what realize
-needs to transfer every weight (pipeline/calibrate.py)."""
+needs to transfer every weight (pipeline/donor/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.calibrate import run_calibration
 from pipeline.data.packed import load_meta
-from pipeline.donor import run_donor
-from pipeline.files import atomic_dir, write_json, write_text
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from pipeline.donor.calibrate import run_calibration
+from pipeline.donor.pca import run_donor
+from pipeline.io.files import atomic_dir, write_json, write_text
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,10 @@ def body(ctx: StageContext) -> dict[str, float]:
     meta = load_meta(ctx.paths.packed)
     if meta.format == "images":
         return skip_for_images(ctx)
-    ctx.add_input("donor", ctx.donor)
+    ctx.add_input("donor", ctx.donor_gguf)
     recipe, d_model = ctx.cfg.recipe, ctx.cfg.model.d_model
     if recipe.init == "subclone":
-        calib, metrics = run_calibration(ctx.donor, ctx.paths.packed, ctx.cfg.model, recipe.subclone, ctx.out_dir)
+        calib, metrics = run_calibration(ctx.donor_gguf, ctx.paths.packed, ctx.cfg.model, recipe.subclone, ctx.out_dir)
         write_plot(ctx, calib.variance / calib.variance.sum())
         log.info(
             f"donor: calibrated on {int(metrics['calibration_tokens'])} tokens "
@@ -35,7 +36,7 @@ def body(ctx: StageContext) -> dict[str, float]:
         )
         return metrics
     result, metrics = run_donor(
-        ctx.donor, meta.vocab_size, ctx.paths.packed / "meta.json", d_model, recipe.init, ctx.out_dir
+        ctx.donor_gguf, meta.vocab_size, ctx.paths.packed / "meta.json", d_model, recipe.init, ctx.out_dir
     )
     write_plot(ctx, result.explained_variance_ratio)
     explained = metrics["explained_variance_total"]

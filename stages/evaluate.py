@@ -11,12 +11,13 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from pipeline.data.packed import data_files, load_meta, split_fingerprint, split_sha256
-from pipeline.evaluate import run_evaluate
-from pipeline.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
-from pipeline.files import atomic_dir, write_text
-from pipeline.lineage import check_packed
+from pipeline.evaluate.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
+from pipeline.evaluate.evaluate_text import run_evaluate
+from pipeline.io.files import atomic_dir, write_text
+from pipeline.io.lineage import check_packed
 from pipeline.tracking import VAL_DATA_TAG
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ def body(ctx: StageContext) -> dict[str, float]:
         ctx.run.set_tags({VAL_DATA_TAG: split_fingerprint(ctx.paths.packed, "val", hashes)})
     if images:
         return images_body(ctx, gguf_path)
-    write_text(ctx.plots_dir / CONFUSION_PLOT, CONFUSION_HEADER + "\n")
     val_sha256 = hashes.get(data_files(ctx.paths.packed)[2].name)
     paths = ctx.paths
-    metrics, samples = run_evaluate(gguf_path, paths.packed, paths.train, ctx.cfg, ctx.donor, paths.teach, val_sha256)
+    metrics, samples = run_evaluate(
+        gguf_path, paths.packed, paths.train, ctx.cfg, ctx.donor_gguf, paths.teach, val_sha256
+    )
+    write_text(ctx.plots_dir / CONFUSION_PLOT, CONFUSION_HEADER + "\n")  # DVC's plot: a header alone for text
     with atomic_dir(ctx.out_dir) as tmp:
         (tmp / "samples.json").write_text(json.dumps(samples, indent=2, ensure_ascii=False) + "\n")
     ctx.artifact(ctx.out_dir / "samples.json")

@@ -8,10 +8,11 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.export import CARD, MODEL_GGUF, ExportPlan, run_image_export, run_ship_export
-from pipeline.modeldir import model_config, read_train_state, weight_files
-from pipeline.ship import ShipInfo, data_label
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, entry, run_stage
+from pipeline.export.exporter import CARD, MODEL_GGUF, ExportPlan, run_export, run_image_export
+from pipeline.export.naming import ShipInfo, data_label
+from pipeline.io.modeldir import model_config, read_train_state, weight_files
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def body(ctx: StageContext) -> dict[str, float]:
         tags=("smollm-pipeline",),
     )
     plan = ExportPlan(cfg.export.dtype, ship, cfg.recipe.lora.dropout)
-    metrics = run_ship_export(train_dir, ctx.donor, ctx.out_dir, plan, provenance)
+    metrics = run_export(train_dir, ctx.donor_gguf, ctx.out_dir, plan, provenance)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
     log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")
     ctx.artifact(ctx.out_dir / CARD)

@@ -16,9 +16,11 @@ from omegaconf import DictConfig
 
 from pipeline.config import GenerateConfig
 from pipeline.errors import ConfigError, PipelineError, problem
-from pipeline.files import write_json
-from pipeline.generate import run_generate
-from stages.common import CONFIG_PATH, entry, fail, structured_config
+from pipeline.inference.generate import run_generate
+from pipeline.io.files import write_json
+from stages._run.exits import entry, fail
+from stages._run.lifecycle import CONFIG_PATH
+from stages._run.typed import structured_config
 
 
 def _run_dir() -> Path:

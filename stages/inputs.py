@@ -10,11 +10,14 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.donor.locate import resolve_gguf_path
 from pipeline.errors import PipelineError
-from pipeline.gguf.reader import resolve_gguf_path
-from pipeline.inputs import run_inputs
-from stages import output
-from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, config_failed, entry, fail, typed_config
+from pipeline.io.inputs import run_inputs
+from stages._run import output
+from stages._run.exits import config_failed, entry, fail
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH
+from stages._run.paths import Paths
+from stages._run.typed import typed_config
 
 log = logging.getLogger(__name__)
 

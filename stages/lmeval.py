@@ -5,7 +5,7 @@ arguments (console script `smollm-lm-eval`), e.g.
         --tasks hellaswag,arc_easy,piqa --batch_size 16
 
 lm-eval 0.4.13 (the newest on PyPI) loads no model plugins, so this registers `smollm-gguf`
-(`pipeline.lmeval`) and then runs lm-eval's CLI. A user mistake lm-eval or we refuse (a task whose
+(`pipeline.evaluate.lmeval`) and then runs lm-eval's CLI. A user mistake lm-eval or we refuse (a task whose
 data is missing, a path that is not a GGUF) ends as one `error:` line and exit 2, lm-eval's own
 message kept on that line. Not a DVC stage and no MLflow run.
 """
@@ -19,8 +19,8 @@ import sys
 from urllib.parse import urlparse
 
 from pipeline.errors import PipelineError, one_line, problem
-from pipeline.lmeval import lm_eval_module, model_class
-from stages.common import fail
+from pipeline.evaluate.lmeval import lm_eval_module, model_class
+from stages._run.exits import fail
 
 # What lm-eval raises for a task it cannot build (missing data files, an unknown task or dataset,
 # a malformed task YAML): passed through on one line. Anything else is a bug and keeps its traceback.

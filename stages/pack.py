@@ -7,30 +7,31 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.pack import run_pack, run_pack_shard
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from pipeline.data.pack import run_pack, run_pack_shard
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
-    ctx.add_input("donor", ctx.donor)
+    ctx.add_input("donor", ctx.donor_gguf)
     data = ctx.cfg.data
     if data.num_shards > 1:
-        shard, metrics = run_pack_shard(data, ctx.donor, progress=ctx.cfg.output == "text")
+        shard, metrics = run_pack_shard(data, ctx.donor_gguf, progress=ctx.cfg.output == "text")
         log.info(
             f"pack: shard {data.shard_index} of {data.num_shards}: {int(metrics['documents'])} documents, "
             f"{int(metrics['tokens'])} tokens -> {shard}; when all are done: python -m stages.pack_merge"
         )
         return metrics
-    meta, metrics = run_pack(ctx.cfg.data, ctx.donor, ctx.out_dir, progress=ctx.cfg.output == "text")
+    meta, metrics = run_pack(ctx.cfg.data, ctx.donor_gguf, ctx.out_dir, progress=ctx.cfg.output == "text")
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")
     if meta.format == "images":
         stats = meta.stats or {}
         log.info(
-            f"pack: {int(metrics['images'])} images of {meta.vocab_size} classes at {stats.get('image_size')}px "
+            f"pack: {int(metrics['images'])} images of {meta.n_classes} classes at {stats.get('image_size')}px "
             f"(train {meta.documents['train']}, val {meta.documents['val']}) -> {ctx.out_dir}"
         )
         return metrics

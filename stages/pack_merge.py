@@ -11,15 +11,16 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.pack import run_merge
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from pipeline.data.pack import run_merge
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
 
 def body(ctx: StageContext) -> dict[str, float]:
-    ctx.add_input("donor", ctx.donor)
-    meta, metrics = run_merge(ctx.cfg.data, ctx.donor, ctx.out_dir)
+    ctx.add_input("donor", ctx.donor_gguf)
+    meta, metrics = run_merge(ctx.cfg.data, ctx.donor_gguf, ctx.out_dir)
     if ctx.run is not None:
         ctx.run.set_tags({"corpus_sha256": meta.corpus_sha256, "tokenizer": meta.tokenizer_fingerprint[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")

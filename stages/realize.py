@@ -8,8 +8,9 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.realize import run_realize
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from pipeline.init.realize import run_realize
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -18,23 +19,24 @@ def body(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.cfg
     ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
     if cfg.recipe.finetune:
-        ctx.add_input("base", ctx.donor)
+        ctx.add_input("base", ctx.donor_gguf)
     elif cfg.recipe.init == "subclone":
-        ctx.add_input("donor", ctx.donor)
-        ctx.add_input("calibration", ctx.paths.donor / "calibration.safetensors")
+        ctx.add_input("donor", ctx.donor_gguf)
+        ctx.add_input("calibration", ctx.paths.donor_dir / "calibration.safetensors")
     elif cfg.recipe.init != "scratch":
-        ctx.add_input("pca", ctx.paths.donor / "pca.safetensors")
+        ctx.add_input("pca", ctx.paths.donor_dir / "pca.safetensors")
+    paths = ctx.paths
     metrics = run_realize(
-        cfg.recipe, cfg.model, cfg.seed, ctx.donor, ctx.paths.packed, ctx.paths.donor, ctx.out_dir, cfg.train.seq_len
+        cfg.recipe, cfg.model, cfg.seed, ctx.donor_gguf, paths.packed, paths.donor_dir, ctx.out_dir, cfg.train.seq_len
     )
     if cfg.recipe.finetune:
         log.info(
-            f"realize: {cfg.recipe.name} on {ctx.donor.name}, {int(metrics['trainable_parameters'])} of "
+            f"realize: {cfg.recipe.name} on {ctx.donor_gguf.name}, {int(metrics['trainable_parameters'])} of "
             f"{int(metrics['parameters'])} parameters train -> {ctx.out_dir}"
         )
     elif cfg.recipe.init == "subclone":
         log.info(
-            f"realize: subclone of {ctx.donor.name}, {int(metrics['parameters'])} parameters "
+            f"realize: subclone of {ctx.donor_gguf.name}, {int(metrics['parameters'])} parameters "
             f"({metrics['parameter_fraction']:.1%} of the donor's), layers kept {int(metrics['layers_kept'])}, "
             f"residual variance kept {metrics['residual_variance_kept']:.3f}, val loss before training "
             f"{metrics['step0_val_loss']:.4f} at seq_len {cfg.train.seq_len} -> {ctx.out_dir}"

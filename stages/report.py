@@ -13,8 +13,9 @@ from pipeline.report.environment import environment
 from pipeline.report.outputs import STAGES
 from pipeline.report.runs import compare
 from pipeline.tracking import RunRecord, default_tracking_uri, project_root, stage_runs
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
-from stages.runs import git_commit
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
+from stages._run.mlflow_runs import git_commit
 
 log = logging.getLogger(__name__)
 SEARCHED = 200  # runs per stage searched for the one that logged the current metrics

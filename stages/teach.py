@@ -9,10 +9,11 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.data.packed import load_meta
-from pipeline.inputs import DONOR_RECORD, read_record
-from pipeline.teach import run_teach
+from pipeline.distill.teach import run_teach
+from pipeline.io.inputs import DONOR_RECORD, read_record
 from pipeline.training.runtime import pick_device
-from stages.common import CONFIG_NAME, CONFIG_PATH, StageContext, entry, run_stage
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def body(ctx: StageContext) -> dict[str, float]:
     device = pick_device(cfg.train.device)
     progress = cfg.output == "text"
     record = read_record(ctx.paths.inputs)
-    meta, metrics = run_teach(ctx.donor, record, ctx.paths.packed, ctx.out_dir, cfg.train, device, progress)
+    meta, metrics = run_teach(ctx.donor_gguf, record, ctx.paths.packed, ctx.out_dir, cfg.train, device, progress)
     if ctx.run is not None:
         ctx.run.set_tags({"teach.mode": meta.mode, "teach.donor_sha256": meta.donor_sha256[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")

@@ -18,15 +18,17 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import load_meta
-from pipeline.files import write_text
-from pipeline.lineage import check_init, check_packed, check_teach
-from pipeline.modeldir import weight_files
-from pipeline.train import run_train, sized
+from pipeline.io.files import write_text
+from pipeline.io.lineage import check_init, check_packed, check_teach
+from pipeline.io.modeldir import weight_files
 from pipeline.training.checkpoint import Checkpoint
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
-from stages.common import CONFIG_NAME, CONFIG_PATH, Paths, StageContext, entry, run_stage
+from pipeline.training.trainer import TrainJob, run_train, sized
+from stages._run.exits import entry
+from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, Stage, StageContext
+from stages._run.paths import Paths
 
 log = logging.getLogger(__name__)
 
@@ -38,31 +40,31 @@ def checkpoint_plan(cfg: PipelineConfig, paths: Paths) -> CheckpointPlan:
 
 
 def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
-    cfg = ctx.cfg
-    for path in weight_files(ctx.paths.init):
+    cfg, paths = ctx.cfg, ctx.paths
+    for path in weight_files(paths.init):
         ctx.add_input("init" if path.name == "model.safetensors" else f"init_{path.stem}", path)
-    ctx.add_input("packed_meta", ctx.paths.packed / "meta.json")
+    ctx.add_input("packed_meta", paths.packed / "meta.json")
     if cfg.train.distill.enabled:
-        ctx.add_input("teach_meta", ctx.paths.teach / "meta.json")
+        ctx.add_input("teach_meta", paths.teach / "meta.json")
     if plan.resume is not None and is_main_process():
         log.info(resume_line(plan.resume, cfg.train.steps))
-    bits = load_meta(ctx.paths.packed).bits_per_token("val")
-    hooks = Hooks(log=ctx.log, run_id=ctx.run_id, progress=ctx.cfg.output == "text", bits_per_token=bits)
+    online = cfg.train.distill.enabled and cfg.train.distill.mode == "online"
+    job = TrainJob(
+        init_dir=paths.init,
+        packed_dir=paths.packed,
+        out_dir=ctx.out_dir,
+        train=cfg.train,
+        optim=cfg.optim,
+        seed=cfg.seed,
+        plan=plan,
+        teach_dir=paths.teach,
+        donor=ctx.donor_gguf if online else None,
+        progress=cfg.output == "text",
+    )
+    hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
-    donor = ctx.donor if cfg.train.distill.enabled and cfg.train.distill.mode == "online" else None
-    result = run_train(
-        ctx.paths.init,
-        ctx.paths.packed,
-        ctx.out_dir,
-        cfg.train,
-        cfg.optim,
-        cfg.seed,
-        hooks,
-        plan,
-        ctx.paths.teach,
-        donor,
-    )
+    result = run_train(job, hooks)
     if not is_main_process():
         return {}
     write_plots(ctx, result)
@@ -77,7 +79,7 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
             f"train: kept the weights of step {result.kept_step} (val loss {result.kept_val_loss:.4f}, the lowest; "
             "train.keep_best=false keeps the last)"
         )
-    return metrics(result, bits)
+    return metrics(result, load_meta(paths.packed).bits_per_token("val"))
 
 
 def resume_line(found: Checkpoint, steps: int) -> str:
@@ -196,16 +198,18 @@ def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:
     return {**tags, **check_teach(cfg, paths.teach, paths.packed, paths.inputs)}
 
 
+def prepared(cfg: DictConfig) -> tuple[Stage, CheckpointPlan]:
+    """The stage checked and its checkpoint plan made, before its MLflow run opens: `train.epochs` becomes
+    a step count once (the plan and the loop both use it), and a resumed run's MLflow run is known."""
+    stage = Stage("train", cfg, lineage)
+    stage.cfg.train = stage.prepare(sized, stage.cfg.train, stage.paths.packed)
+    return stage, stage.prepare(checkpoint_plan, stage.cfg, stage.paths)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> float | None:
-    plans: list[CheckpointPlan] = []  # found before the MLflow run opens, used by the body
-
-    def resume_run(typed: PipelineConfig, paths: Paths) -> str | None:
-        typed.train = sized(typed.train, paths.packed)  # train.epochs -> steps, once, for the plan and the loop
-        plans.append(checkpoint_plan(typed, paths))
-        return plans[0].run_id
-
-    metrics = run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run, lineage=lineage)
+    stage, plan = prepared(cfg)
+    metrics = stage.run(lambda ctx: body(ctx, plan), resume_run_id=plan.run_id)
     return metrics.get("kept_val_loss")  # the objective of an Optuna sweep: the loss of the weights written
 
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.gguf.reader import GGUFFile
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama
+from pipeline.models.transformer import TransformerConfig, init_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 

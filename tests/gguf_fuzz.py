@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.donor import read_donor_embeddings
+from pipeline.donor.load import load_base, read_donor_embeddings
 from pipeline.errors import GGUFError, PipelineError
-from pipeline.finetune.base import load_base
-from pipeline.gguf.chat import render_messages
 from pipeline.gguf.reader import GGUFFile
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
 from pipeline.models.registry import load_gguf
+from pipeline.tokenizer.chat_template import render_messages
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from tests.conftest import write_tiny_gguf
 
 STRING, ARRAY = 8, 9

@@ -11,8 +11,8 @@ from torch import nn
 from pipeline.config import ModelConfig
 from pipeline.finetune.lora import lora_layers
 from pipeline.gguf.reader import GGUFFile
-from pipeline.models.base import TransformerConfig
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.models.transformer import TransformerConfig
 
 
 def llama_config(mcfg: ModelConfig, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig
-from pipeline.errors import GGUFError
+from pipeline.donor.load import load_base
+from pipeline.errors import AdapterError, GGUFError
 from pipeline.finetune.adapters import (
     apply_adapter,
     export_merged_gguf,
@@ -23,14 +24,14 @@ from pipeline.finetune.adapters import (
     save_adapter_gguf,
     save_peft_adapter,
 )
-from pipeline.finetune.base import load_base
-from pipeline.finetune.lora import AdapterError, attach_lora, lora_layers
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.finetune.lora import attach_lora, lora_layers
+from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
-from pipeline.modeldir import save_model_dir
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.io.modeldir import save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -144,8 +145,8 @@ def test_exported_peft_adapter_loads_on_another_machine(setup: Setup, hf_base, t
     local path: the adapter dir copied elsewhere (the original deleted) loads in peft and in our loader."""
     import peft
 
-    from pipeline.generate import load_for_generation
-    from pipeline.ship import donor_identity
+    from pipeline.export.naming import donor_identity
+    from pipeline.inference.generate import load_for_generation
 
     base_name = donor_identity(GGUFFile(setup.base_path)).model_id
     made = save_peft_adapter(setup.model, setup.dir / "peft-shipped", base_model=base_name)
@@ -297,7 +298,7 @@ def spoil(peft_dir: Path, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["garbage", "truncated", "config-list", "config-bytes", "alpha", "shape"])
 def test_a_corrupt_or_foreign_peft_adapter_is_one_named_line(setup: Setup, tmp_path: Path, how: str) -> None:
-    from pipeline.generate import load_for_generation
+    from pipeline.inference.generate import load_for_generation
 
     peft_dir = save_peft_adapter(setup.model, tmp_path / "peft", base_model=str(setup.base_path))
     named = spoil(peft_dir, how)

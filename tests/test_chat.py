@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.chat import ChatSession, common_prefix
 from pipeline.config import ChatConfig
-from pipeline.errors import ConfigError
-from pipeline.generate import load_for_generation
-from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_messages
-from pipeline.gguf.tokenizer import GGUFTokenizer
-from pipeline.modeldir import save_model_dir
-from pipeline.models.base import TransformerConfig, init_weights
-from pipeline.models.decode import for_decoding
+from pipeline.errors import ChatTemplateError, ConfigError
+from pipeline.inference.chat_session import ChatSession, common_prefix
+from pipeline.inference.decode import for_decoding
+from pipeline.inference.generate import load_for_generation
+from pipeline.inference.sampling import Sampling, generate_ids
+from pipeline.io.modeldir import save_model_dir
 from pipeline.models.llama import Llama
-from pipeline.models.sampling import Sampling, generate_ids
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.chat_template import default_stop_ids, render_messages
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 from stages.chat import open_session, repl
 from tests.conftest import ROOT, write_tiny_gguf
 
@@ -68,7 +68,7 @@ def test_second_turn_feeds_only_new_tokens_and_answers_as_a_fresh_run(session_pa
 
 @pytest.mark.parametrize("precision", ["int8", "fp32"])
 def test_a_packed_decoder_cuts_its_cache_back_and_answers_as_a_fresh_run(session_parts: tuple, precision: str) -> None:
-    """The preallocated cache (`pipeline.models.decode`) is cut back by moving its length."""
+    """The preallocated cache (`pipeline.inference.decode`) is cut back by moving its length."""
     model, tok, template = session_parts
     packed = for_decoding(model, precision)
     chat = ChatSession(packed, tok, template, Sampling(), max_new_tokens=3)
@@ -180,7 +180,7 @@ def test_conf_chat_yaml_matches_the_schema() -> None:
     from omegaconf import OmegaConf
 
     from pipeline.config import ChatConfig
-    from stages.common import structured_config
+    from stages._run.typed import structured_config
 
     on_disk = OmegaConf.load(ROOT / "conf" / "chat.yaml")
     on_disk.pop("hydra")

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import PipelineConfig
 from pipeline.errors import ConfigError
-from stages.common import typed_config
+from stages._run.typed import typed_config
 from stages.compose import compose_config
 from tests.conftest import ROOT
 
@@ -167,7 +167,8 @@ def test_multiruns_started_in_the_same_second_get_sweep_dirs_of_their_own() -> N
 
 def test_a_multirun_on_the_composed_params_gets_a_tokened_sweep_dir_too(tmp_path: Path) -> None:
     """params.yaml has no `hydra` section: Hydra's default sweep dir (no token) applied to such sweeps."""
-    from stages.common import SWEEP_DIR, sweep_dir_args
+    from stages._run.exits import sweep_dir_args
+    from stages._run.overrides import SWEEP_DIR
 
     assert yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["hydra"]["sweep"]["dir"] == SWEEP_DIR
     assert sweep_dir_args(["a=1"]) == ["a=1"] and sweep_dir_args(["-m", "hydra.sweep.dir=x"]) == [

@@ -1,4 +1,4 @@
-"""The packed decoder (pipeline.models.decode): fp32 equals the module, int8/bf16 stay within their
+"""The packed decoder (pipeline.inference.decode): fp32 equals the module, int8/bf16 stay within their
 rounding of it, the preallocated KV cache equals a full recompute, a bad precision is one line."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from omegaconf import OmegaConf
 
 from pipeline.config import ChatConfig
 from pipeline.errors import ConfigError
-from pipeline.models import decode
-from pipeline.models.base import TransformerConfig, init_weights
-from pipeline.models.decode import PackedLinear, PackedLlama, for_decoding
+from pipeline.inference import decode
+from pipeline.inference.decode import PackedLinear, PackedLlama, for_decoding
+from pipeline.inference.sampling import Sampling, generate_ids, stream_ids
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import load_gguf
-from pipeline.models.sampling import Sampling, generate_ids, stream_ids
-from stages.common import structured_config
+from pipeline.models.transformer import TransformerConfig, init_weights
+from stages._run.typed import structured_config
 from tests.test_gpt2 import perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,30 +19,33 @@ import torch.nn.functional as F
 from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_split, split_fingerprint
-from pipeline.data.teacher import META_FILE, TeacherCache, read_meta
 from pipeline.data.text import pack
+from pipeline.distill.cache import META_FILE, TeacherCache, read_meta
+from pipeline.distill.teach import run_teach, teacher_windows
+from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError
-from pipeline.files import sha256_file
-from pipeline.gguf.reader import donor_tokenizer_metadata
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.inputs import donor_record
-from pipeline.lineage import check_teach
-from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.init.realize import realize
+from pipeline.io.files import sha256_file
+from pipeline.io.inputs import donor_record
+from pipeline.io.lineage import check_teach
+from pipeline.io.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama_gguf import export_llama
-from pipeline.models.losses import (
+from pipeline.models.ops.losses import (
     head_targets,
     linear_cross_entropy,
     linear_distill_loss,
     narrow_targets,
     top_k_targets,
 )
-from pipeline.realize import realize
-from pipeline.teach import load_donor, run_teach, teacher_windows
-from pipeline.train import load_teacher
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
-from stages.common import Paths, run_stage, typed_config
+from pipeline.training.trainer import load_teacher
+from stages._run.lifecycle import run_stage
+from stages._run.paths import Paths
+from stages._run.typed import typed_config
 from stages.compose import compose_config
 from stages.evaluate import body as evaluate_body
 from stages.train import lineage
@@ -218,7 +221,7 @@ def test_teach_refuses_a_seq_len_beyond_the_donors_context_with_distillation_on_
     def no_load(*_: object) -> None:
         raise AssertionError("the donor's weights were loaded before train.seq_len was checked")
 
-    monkeypatch.setattr("pipeline.teach.load_donor", no_load)
+    monkeypatch.setattr("pipeline.distill.teach.load_donor", no_load)
     tcfg = replace(TCFG, seq_len=DONOR.context_length + 1, distill=replace(distill, context=DONOR.context_length + 1))
     with pytest.raises(ConfigError, match=r"config key train.seq_len: expected at most the donor's context_length=64"):
         project.teach_with(tcfg, tmp_path / "t")
@@ -318,7 +321,7 @@ def run_distill(project: Project, tcfg: TrainConfig, ckpt_dir: Path):
     model = load_model_dir(project.root / "models" / "init")
     teacher = load_teacher(tcfg, project.teach, project.donor, VOCAB)
     data = load_split(project.packed, "train"), load_split(project.packed, "val")
-    result, _ = train(model, *data, tcfg, optim, 0, progress=False, plan=plan, teacher=teacher)
+    result = train(model, *data, tcfg, optim, 0, progress=False, plan=plan, teacher=teacher)
     return model, result, plan
 
 
@@ -354,11 +357,10 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    from stages.common import run_stage
+    from stages._run.lifecycle import run_stage
     from stages.teach import body as teach_body
     from stages.train import body as train_body
-    from stages.train import checkpoint_plan
-    from stages.train import lineage as train_lineage
+    from stages.train import prepared
 
     root = tmp_path / "project"
     shutil.copytree(project.root, root, ignore=shutil.ignore_patterns("teach"))
@@ -375,13 +377,8 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
     assert teach["cached_positions"] == len(load_split(root / "data/packed", "train"))
     assert json.loads((root / "metrics" / "teach.json").read_text())["donor_val_loss"] == teach["donor_val_loss"]
     assert read_meta(root / "data" / "teach").precision == "bf16"
-    plans = []
-
-    def resume_run(typed, paths):
-        plans.append(checkpoint_plan(typed, paths))
-        return None
-
-    metrics = run_stage("train", cfg, lambda ctx: train_body(ctx, plans[0]), resume_run, train_lineage)
+    stage, plan = prepared(cfg)
+    metrics = stage.run(lambda ctx: train_body(ctx, plan))
     assert metrics["final_train_kd"] > 0 and metrics["final_train_ce"] > 0
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs(
@@ -394,13 +391,13 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
     other["file"]["sha256"] = "f" * 64
     record.write_text(json.dumps(other))
     with pytest.raises(SystemExit) as exit_info:
-        run_stage("train", cfg, lambda ctx: train_body(ctx, plans[0]), resume_run, train_lineage)
+        prepared(cfg)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2 and len(lines) == 1 and "the donor" in lines[0] and "dvc repro teach" in lines[0]
 
 
 def test_evaluate_reports_bits_per_byte_and_the_gap_to_the_donor(project: Project, tmp_path: Path) -> None:
-    from pipeline.evaluate import reference_metrics
+    from pipeline.evaluate.evaluate_text import reference_metrics
 
     meta = json.loads((project.packed / "meta.json").read_text())
     donor = read_meta(project.teach).donor_val_loss
@@ -432,7 +429,7 @@ def test_the_evaluate_stage_hashes_the_val_split_once(project: Project, tmp_path
         reads.append(Path(path).name)
         return sha256_file(path)
 
-    for module in ("pipeline.files", "pipeline.evaluate", "pipeline.data.packed"):
+    for module in ("pipeline.io.files", "pipeline.evaluate.evaluate_text", "pipeline.data.packed"):
         monkeypatch.setattr(f"{module}.sha256_file", counted, raising=False)
     cfg = compose_config(
         [f"donor.path={root / 'donor.gguf'}", "data.val_fraction=0.25", "train.device=cpu", "train.threads=1"]
@@ -449,7 +446,7 @@ def test_the_evaluate_stage_hashes_the_val_split_once(project: Project, tmp_path
 
 
 def test_gap_closed_against_a_baseline() -> None:
-    from pipeline.evaluate import gap_closed
+    from pipeline.evaluate.evaluate_text import gap_closed
 
     metrics = {"val_loss": 4.0, "donor_val_loss": 3.0}
     assert gap_closed(metrics, 5.0) == {"gap_closed": pytest.approx(0.5)}

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.donor import PCAResult, pca, read_donor_embeddings, run_donor
+from pipeline.donor.load import read_donor_embeddings
+from pipeline.donor.pca import PCAResult, pca, run_donor
 from pipeline.errors import GGUFError
 from tests.conftest import write_tiny_gguf
 

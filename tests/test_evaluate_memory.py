@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.evaluate.parity import ROWS, compare, compare_logits, our_logits
 from pipeline.gguf.reader import GGUFFile
-from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
-from pipeline.parity import ROWS, compare, compare_logits, our_logits
+from pipeline.models.transformer import TransformerConfig, init_weights
 from tests.conftest import write_tiny_gguf
 
 CFG = TransformerConfig(vocab_size=256, d_model=64, n_layer=1, n_head=4, n_kv_head=2, d_ff=128, context_length=160)

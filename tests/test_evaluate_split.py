@@ -11,7 +11,7 @@ import pytest
 from pipeline.config import EvaluateConfig, PipelineConfig, TrainConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
 from pipeline.errors import ConfigError
-from pipeline.evaluate import run_evaluate
+from pipeline.evaluate.evaluate_text import run_evaluate
 from tests.conftest import write_tiny_gguf
 
 VOCAB = 64

@@ -26,27 +26,28 @@ from pipeline.config import (
     RecipeConfig,
     TrainConfig,
 )
+from pipeline.data.pack import run_pack
 from pipeline.data.packed import load_meta, load_rows
 from pipeline.errors import ConfigError, DataError, GGUFError
-from pipeline.evaluate import run_evaluate
-from pipeline.export import run_export
+from pipeline.evaluate.evaluate_text import run_evaluate
+from pipeline.export.exporter import ExportPlan, run_export
 from pipeline.finetune.adapters import read_adapter_gguf, read_peft_adapter
 from pipeline.finetune.lora import lora_layers
 from pipeline.finetune.quant import QuantLinear, dequantize_model
-from pipeline.generate import load_for_generation
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
-from pipeline.modeldir import load_model_dir, read_spec
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.inference.generate import load_for_generation
+from pipeline.init.realize import realize_finetune
+from pipeline.io.modeldir import load_model_dir, read_spec
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.models.registry import build_model, load_gguf
-from pipeline.pack import run_pack
-from pipeline.realize import realize_finetune
-from pipeline.train import run_train
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.resume import plan_checkpoints
+from pipeline.training.trainer import TrainJob, run_train
 from tests.helpers import masked_cross_entropy
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
@@ -120,7 +121,7 @@ def run_recipe(root: Path, base_path: Path, packed: Path, recipe: str, **train_k
     t = tcfg(**train_kw)
     optim = OPTIM["full" if recipe == "full" else "lora"]
     plan = plan_checkpoints(t, optim, 0, init, packed, root / "checkpoints")
-    result = run_train(init, packed, out, t, optim, 0, plan=plan)
+    result = run_train(TrainJob(init, packed, out, t, optim, 0, plan=plan))
     return Run(root, base_path, packed, result)
 
 
@@ -250,7 +251,8 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path: Path, lora_run: Run) 
     assert step2.is_dir()
     t = tcfg(resume=str(step2))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, lora_run.dir / "init", lora_run.packed, tmp_path / "ck2")
-    resumed = run_train(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan=plan)
+    job = TrainJob(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan)
+    resumed = run_train(job)
     a = load_file(str(tmp_path / "resumed" / "adapter.safetensors"))
     b = load_file(str(lora_run.dir / "train" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -273,7 +275,7 @@ def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base
     step4 = next((tmp_path / "whole" / "checkpoints").iterdir()) / "step-00000004"
     t = tcfg(steps=12, checkpoint_every=4, eval_every=12, resume=str(step4))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, tmp_path / "whole" / "init", packed, tmp_path / "ck")
-    resumed = run_train(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan=plan)
+    resumed = run_train(TrainJob(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan))
     again = [h for h in resumed.history if "epoch_train_ppl" in h]
     assert [h["epoch_train_ppl"] for h in again] == [h["epoch_train_ppl"] for h in ends]
 
@@ -282,7 +284,7 @@ def test_the_card_names_the_adapters_base_file(lora_run: Run, tmp_path: Path) ->
     """The card said `llama-cli -m base.gguf --lora adapter.gguf`, a file name no one has."""
     donor = tmp_path / "My-Base-1M.Q8_0.gguf"
     shutil.copyfile(lora_run.base_path, donor)
-    run_export(lora_run.dir / "train", donor, tmp_path / "export", "f32", {})
+    run_export(lora_run.dir / "train", donor, tmp_path / "export", ExportPlan("f32"), {})
     card = (tmp_path / "export" / "README.md").read_text()
     assert "llama-cli -m My-Base-1M.Q8_0.gguf --lora adapter.gguf" in card and "base.gguf" not in card
 
@@ -290,7 +292,9 @@ def test_the_card_names_the_adapters_base_file(lora_run: Run, tmp_path: Path) ->
 def test_the_adapter_gguf_carries_the_models_name_and_base_model(lora_run: Run, tmp_path: Path) -> None:
     """adapter.gguf had no general.name nor general.base_model.*: it now has the merged model's, as
     convert_lora_to_gguf.py writes them, and stays an adapter whatever the provenance keys say."""
-    run_export(lora_run.dir / "train", lora_run.base_path, tmp_path / "export", "f32", {"general.type": "model"})
+    run_export(
+        lora_run.dir / "train", lora_run.base_path, tmp_path / "export", ExportPlan("f32"), {"general.type": "model"}
+    )
     model = GGUFFile(tmp_path / "export" / "model.gguf").metadata
     adapter = GGUFFile(tmp_path / "export" / "adapter.gguf").metadata
     base_keys = {k: v for k, v in model.items() if k.startswith("general.base_model.")}
@@ -302,7 +306,7 @@ def test_the_adapter_gguf_carries_the_models_name_and_base_model(lora_run: Run, 
 
 def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: Base) -> None:
     out = lora_run.dir / "export"
-    metrics = run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {"general.name": "tuned"})
+    metrics = run_export(lora_run.dir / "train", lora_run.base_path, out, ExportPlan("f32"), {"general.name": "tuned"})
     named = {p.name for p in out.iterdir()} - {"model.gguf", "adapter.gguf", "peft", "README.md"}
     assert len(named) == 1 and named.pop().endswith("-F32.gguf")  # the conventional name, a link to model.gguf
     assert metrics["adapter_bytes"] < metrics["file_bytes"] / 10
@@ -331,7 +335,7 @@ def test_lora_exports_and_evaluate_reports_base_and_tuned(lora_run: Run, base: B
 def test_generate_applies_an_adapter_on_its_base_as_llama_cpp_does(tmp_path: Path, lora_run: Run, base: Base) -> None:
     """`generate lora=adapter.gguf` (or a PEFT dir) on the base computes what the merged export does."""
     out = tmp_path / "export"
-    run_export(lora_run.dir / "train", lora_run.base_path, out, "f32", {})
+    run_export(lora_run.dir / "train", lora_run.base_path, out, ExportPlan("f32"), {})
     x = torch.randint(0, CFG.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     merged, _, _ = load_for_generation(str(out / "model.gguf"))
     plain, _, _ = load_for_generation(str(base.f32))
@@ -353,7 +357,7 @@ def test_qlora_keeps_the_quantized_blocks_and_trains(tmp_path: Path, base: Base,
     assert read_spec(tmp_path / "train").mode == "qlora"
     assert set(run.result.optimizer_state["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert math.isfinite(run.result.final_val_loss)
-    run_export(tmp_path / "train", run.base_path, tmp_path / "export", "q8_0", {"general.name": "merged"})
+    run_export(tmp_path / "train", run.base_path, tmp_path / "export", ExportPlan("q8_0"), {"general.name": "merged"})
     assert GGUFFile(tmp_path / "export" / "model.gguf").raw_tensor("blk.0.attn_q.weight")[1] == "Q8_0"
 
 
@@ -364,7 +368,7 @@ def test_full_finetune_trains_every_weight(tmp_path: Path, base: Base, packed: P
     changed = [n for n, t in before.state_dict().items() if not torch.equal(t, trained.state_dict()[n])]
     assert len(changed) == len(before.state_dict())
     assert (tmp_path / "train" / "model.safetensors").exists() and run.result.final_val_loss < 20
-    run_export(tmp_path / "train", run.base_path, tmp_path / "export", "f32", {"general.name": "full"})
+    run_export(tmp_path / "train", run.base_path, tmp_path / "export", ExportPlan("f32"), {"general.name": "full"})
     assert not (tmp_path / "export" / "adapter.gguf").exists()
     again, _ = load_gguf(tmp_path / "export" / "model.gguf")
     assert all(torch.equal(t, again.state_dict()[n]) for n, t in trained.state_dict().items())
@@ -436,5 +440,5 @@ def test_instruct_rows_longer_than_the_context_are_named(tmp_path: Path, base: B
     run_pack(data_cfg(base, max_seq_len=256), base.f32, packed)  # the tiny base's context is 128
     realize_finetune(RECIPES["lora"], base.f32, CFG.vocab_size, tmp_path / "init")
     with pytest.raises(ConfigError, match="data.max_seq_len"):
-        run_train(tmp_path / "init", packed, tmp_path / "train", tcfg(), OPTIM["lora"], 0)
+        run_train(TrainJob(tmp_path / "init", packed, tmp_path / "train", tcfg(), OPTIM["lora"], 0))
     assert np.load(packed / "train.npz")["input_ids"].shape[1] == 256

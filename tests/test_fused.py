@@ -1,4 +1,4 @@
-"""The Triton kernels (`pipeline.models.fused`) against the plain code they replace on CUDA.
+"""The Triton kernels (`pipeline.models.ops.fused`) against the plain code they replace on CUDA.
 
 Each kernel test runs on two devices: CUDA where there is one (marked `cuda`), and the CPU under
 Triton's interpreter, which must be switched on before Triton is imported: `test_kernels_under_the_
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import fused
-from pipeline.models.base import TransformerConfig, init_weights
-from pipeline.models.llama import Llama, _RMSNorm, _SwiGLU, apply_rope, rope_tables
+from pipeline.models.llama import Llama
+from pipeline.models.ops import fused
+from pipeline.models.ops.elementwise import RMSNormFn, SwiGLUFn, apply_rope, rope_tables
+from pipeline.models.transformer import TransformerConfig, init_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = [
@@ -56,7 +57,7 @@ def test_rms_norm_kernel_equals_the_plain_norm(device: str, dtype: torch.dtype, 
     x = torch.randn(3, 7, width, generator=g).to(device, dtype).requires_grad_()
     w = (1 + 0.1 * torch.randn(width, generator=g)).to(device).requires_grad_(train_weight)
     got = _grads(lambda a, b: fused.rms_norm(a, b, 1e-5), x, w)
-    ref = _grads(lambda a, b: _RMSNorm.apply(a, b, 1e-5), x, w)
+    ref = _grads(lambda a, b: RMSNormFn.apply(a, b, 1e-5), x, w)
     assert len(got) == len(ref) == (3 if train_weight else 2)
     for a, b in zip(got, ref):
         _close(a, b)
@@ -87,7 +88,7 @@ def test_swiglu_kernel_equals_the_plain_one(device: str, dtype: torch.dtype) -> 
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(3, 5, 1500, generator=g).to(device, dtype).requires_grad_() for _ in range(2))
     got = _grads(fused.swiglu, a, b)
-    ref = _grads(_SwiGLU.apply, a, b)
+    ref = _grads(SwiGLUFn.apply, a, b)
     for x, y in zip(got, ref):
         _close(x, y)
 

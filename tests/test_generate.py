@@ -17,16 +17,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from pipeline.config import GenerateConfig
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.generate import chat_prompt, encode_prompt, load_for_generation, run_generate, unescape
-from pipeline.gguf.chat import ChatTemplateError, default_stop_ids, render_chat
+from pipeline.errors import ChatTemplateError, ConfigError, PipelineError
 from pipeline.gguf.reader import GGUFFile
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
-from pipeline.modeldir import load_model_dir, save_model_dir
-from pipeline.models.base import KVCache, TransformerConfig, init_weights
-from pipeline.models.decode import for_decoding
-from pipeline.models.llama import Llama
-from pipeline.models.sampling import (
+from pipeline.inference.decode import for_decoding
+from pipeline.inference.generate import chat_prompt, encode_prompt, load_for_generation, run_generate, unescape
+from pipeline.inference.sampling import (
     Sampling,
     complete,
     find_stop,
@@ -36,7 +31,12 @@ from pipeline.models.sampling import (
     top_k_filter,
     top_p_filter,
 )
-from stages.common import structured_config
+from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.models.llama import Llama
+from pipeline.models.transformer import KVCache, TransformerConfig, init_weights
+from pipeline.tokenizer.chat_template import default_stop_ids, render_chat
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from stages._run.typed import structured_config
 from stages.generate import with_prompt
 
 ROOT = Path(__file__).resolve().parent.parent  # not `from tests.conftest`: works under plain `pytest` too

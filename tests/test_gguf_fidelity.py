@@ -22,12 +22,13 @@ from pipeline.config import EXPORT_TYPES, ExportConfig
 from pipeline.errors import ConfigError, GGUFError
 from pipeline.gguf.header import count_tensors
 from pipeline.gguf.quantize import K_QUANTS, llamacpp_installed
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import TENSOR_TYPES
-from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import config_from_gguf, export_llama, gguf_tensors, load_llama
 from pipeline.models.registry import SUPPORTED, load_gguf
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_reference.json"
 
@@ -172,7 +173,7 @@ def test_rope_freqs_of_ones_is_plain_rope_and_scaled_ones_apply(tmp_path: Path) 
         assert torch.equal(back(ids), out)
     np.testing.assert_array_equal(g.tensor("rope_freqs.weight"), factors)
     # first pair's angle at position p is p * inv_freq_0 / factor_0: check against rope_tables directly
-    from pipeline.models.llama import rope_tables
+    from pipeline.models.ops.elementwise import rope_tables
 
     cos_plain, _ = rope_tables(plain.cfg, 4, torch.device("cpu"))
     cos_scaled, _ = rope_tables(scaled_model.cfg, 4, torch.device("cpu"))

@@ -19,11 +19,12 @@ from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.instruct import example_arrays, pack_examples
 from pipeline.data.packed import Packed
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.models.base import KVCache
+from pipeline.gguf.reader import GGUFFile
+from pipeline.init.realize import realize
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.registry import export_gguf, load_gguf
-from pipeline.realize import realize
+from pipeline.models.transformer import KVCache
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.loop import train
 from tests.helpers import transformers_overrides
 from tests.scratch import TINY_VAL_FRACTION
@@ -116,7 +117,7 @@ def test_f16_export_reads_back_close(tmp_path: Path, tok_meta: dict) -> None:
 
 
 def test_pca_and_lens_inits_work_and_the_lens_is_folded_at_export(tmp_path: Path, tok_meta: dict) -> None:
-    from pipeline.donor import pca
+    from pipeline.donor.pca import pca
 
     table = np.random.default_rng(0).standard_normal((VOCAB, 48)).astype(np.float32)  # a stand-in donor
     lens = pca(table, 48)
@@ -187,7 +188,7 @@ def trained():
     data = repeated_corpus()
     model = realize(TINY, "scratch", VOCAB, 0)
     tcfg = TrainConfig(steps=40, batch_size=8, seq_len=32, eval_every=40, log_every=1, precision="fp32", device="cpu")
-    result, _ = train(model, data[:2000], data[2000:], tcfg, OptimConfig(lr=1e-2, warmup_steps=5), 0, progress=False)
+    result = train(model, data[:2000], data[2000:], tcfg, OptimConfig(lr=1e-2, warmup_steps=5), 0, progress=False)
     return model.eval(), result, data
 
 
@@ -209,14 +210,14 @@ def test_trains_on_packed_instruction_rows() -> None:
     rows = Packed(x, y, seg)
     model = realize(TINY, "scratch", VOCAB, 0)
     tcfg = TrainConfig(steps=30, batch_size=2, eval_every=30, log_every=1, precision="fp32", device="cpu")
-    result, _ = train(model, rows, rows, tcfg, OptimConfig(lr=1e-2, warmup_steps=2), 0, progress=False)
+    result = train(model, rows, rows, tcfg, OptimConfig(lr=1e-2, warmup_steps=2), 0, progress=False)
     assert result.initial_val_loss > 9.0 and result.final_val_loss < result.initial_val_loss - 3.0
     assert any("epoch_train_ppl" in h for h in result.history)
 
 
 def test_llama_cpp_greedy_continuation_matches_ours(tmp_path: Path, tok_meta: dict, trained) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
-    from pipeline.models.sampling import generate_ids
+    from pipeline.inference.sampling import generate_ids
 
     model, _, data = trained
     path = export_gguf(model, tmp_path / "m.gguf", tok_meta, {}, "f32")
@@ -248,7 +249,7 @@ def test_gpt2_tiny_config_composes_and_needs_no_transformers_overrides() -> None
     from omegaconf import OmegaConf
 
     from pipeline.config import PipelineConfig
-    from stages.common import typed_config
+    from stages._run.typed import typed_config
     from stages.compose import compose_config
     from tests.helpers import llama_config
 

@@ -11,12 +11,14 @@ import torch
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
-from pipeline.modeldir import load_model_dir
-from pipeline.models import decode, losses
-from pipeline.models.base import TransformerConfig, init_weights
-from pipeline.models.decode import PackedLlama
+from pipeline.errors import NonFiniteError
+from pipeline.inference import decode
+from pipeline.inference.decode import PackedLlama
+from pipeline.inference.sampling import generate_ids
+from pipeline.io.modeldir import load_model_dir
 from pipeline.models.llama import Llama
-from pipeline.models.losses import (
+from pipeline.models.ops import losses
+from pipeline.models.ops.losses import (
     ACCELERATOR_SIZES,
     IGNORE_INDEX,
     linear_cross_entropy,
@@ -24,12 +26,11 @@ from pipeline.models.losses import (
     top_k_targets,
 )
 from pipeline.models.registry import build_model
-from pipeline.models.sampling import generate_ids
+from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import queued
 from pipeline.training.loop import Hooks, _Run, train
 from pipeline.training.resume import plan_checkpoints
-from pipeline.training.runtime import NonFiniteError
 from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
 
 
@@ -90,7 +91,7 @@ def _train(project: Path, tcfg: TrainConfig, model=None, plan=None):
     packed = project / "data" / "packed"
     model = model or load_model_dir(project / "models" / "init")
     splits = load_split(packed, "train"), load_split(packed, "val")
-    result, _ = train(model, *splits, tcfg, OptimConfig(warmup_steps=2), 0, progress=False, plan=plan)
+    result = train(model, *splits, tcfg, OptimConfig(warmup_steps=2), 0, progress=False, plan=plan)
     return model, result
 
 
@@ -275,4 +276,4 @@ def steps_without_sync(run: _Run, steps: range) -> None:
             run.step(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    run.settle()
+    run.read_queued()

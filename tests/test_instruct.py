@@ -25,10 +25,10 @@ from pipeline.data.packed import load_rows, save_rows
 from pipeline.data.pydoc_qa import pydoc_pairs, write_pydoc_instruct
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.reader import GGUFFile
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pipeline.training.batches import RowSampler
 from tests.helpers import masked_cross_entropy
 

@@ -13,8 +13,8 @@ from pipeline.config import DataConfig
 from pipeline.data.instruct import Example, Formatter, build_instruct, example_arrays, parse_example, turn_texts
 from pipeline.errors import DataError
 from pipeline.gguf.reader import GGUFFile
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from tests.test_tokenizer import spm_gguf
 
 CHAT = [
@@ -124,7 +124,7 @@ def test_build_with_all_turns_counts_more_label_tokens(tok, smollm2: GGUFFile) -
 
 
 def test_instruct_pack_reads_alpaca_and_sharegpt_files(tmp_path: Path, smollm2_path: Path) -> None:
-    from pipeline.pack import run_pack
+    from pipeline.data.pack import run_pack
 
     lines = [{"instruction": f"Task {i}", "input": "", "output": f"Done {i}"} for i in range(6)]
     lines += [

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.files import sha256_file
+from pipeline.io.files import sha256_file
 from tests.test_resume import assert_same_weights, make_project, newest_step, stage_cmd, stage_env, start
 
 STEPS = 48  # ten kills advance at most ~40 steps (see `kill_once`): the last run still trains
@@ -125,7 +125,7 @@ def dead_pid() -> int:
 
 
 def test_a_write_removes_the_temps_of_dead_writers_only(tmp_path: Path) -> None:
-    from pipeline.files import atomic_dir, atomic_file, write_json
+    from pipeline.io.files import atomic_dir, atomic_file, write_json
 
     dead, live = dead_pid(), os.getppid()
     stale = [tmp_path / f".meta.json.tmp-{dead}", tmp_path / f".ids.tmp-{dead}.npz"]

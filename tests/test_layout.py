@@ -80,7 +80,7 @@ def test_stage_deps_are_exactly_the_code_each_stage_runs() -> None:
 
 def test_the_library_imports_no_orchestration_packages() -> None:
     """pipeline/ never imports hydra, omegaconf or dvc; only pipeline.tracking imports mlflow; and it
-    imports without the optional lm-eval (pipeline.lmeval imports it only when its model is asked for)."""
+    imports without the optional lm-eval (pipeline.evaluate.lmeval imports it only when its model is asked for)."""
     modules = sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for p in (ROOT / "pipeline").rglob("*.py")
@@ -97,7 +97,7 @@ def test_the_library_imports_no_orchestration_packages() -> None:
 
 def test_each_stage_declares_to_dvc_exactly_the_keys_it_reads() -> None:
     """A single-stage run refuses overrides outside STAGE_PARAMS; DVC re-runs a stage on its params."""
-    from stages.overrides import STAGE_PARAMS
+    from stages._run.overrides import STAGE_PARAMS
 
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     assert {name: tuple(stage["params"]) for name, stage in stages.items()} == STAGE_PARAMS

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.gguf.reader import GGUFFile
+from pipeline.inference.sampling import generate_ids
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
-from pipeline.models.sampling import generate_ids
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -232,9 +233,9 @@ def test_every_type_dequantizes_as_ggml_does(ggml, tmp_path: Path, name: str) ->
 
 def test_llamacpp_applies_our_rope_freq_factors(smollm2: GGUFFile, tmp_path: Path) -> None:
     """A model with llama3-style rope_freqs: llama.cpp's log-probs equal ours, and differ from plain RoPE."""
-    from pipeline.gguf.reader import donor_tokenizer_metadata
-    from pipeline.models.base import TransformerConfig, init_weights
     from pipeline.models.llama_gguf import export_llama
+    from pipeline.models.transformer import TransformerConfig, init_weights
+    from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
     base = dict(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=256)
     factors = tuple(float(f) for f in np.geomspace(1.0, 32.0, 8))

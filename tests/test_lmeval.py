@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on our models (`pipeline.lmeval`): its scores equal our own forward pass's,
+"""lm-evaluation-harness on our models (`pipeline.evaluate.lmeval`): its scores equal our own forward pass's,
 a local multiple-choice JSONL task runs offline through lm-eval's real evaluator, and bad input
 (missing task data, a path that is not a GGUF) ends as one line."""
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pipeline.errors import ConfigError, GGUFError
-from pipeline.generate import load_for_generation
-from pipeline.gguf.chat import render_messages
 from pipeline.gguf.reader import GGUFFile
+from pipeline.inference.generate import load_for_generation
+from pipeline.tokenizer.chat_template import render_messages
 from tests.conftest import ROOT, write_tiny_gguf
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is first imported: local files only
@@ -27,7 +27,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import Registry  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from pipeline.lmeval import MODEL_NAME, model_class  # noqa: E402
+from pipeline.evaluate.lmeval import MODEL_NAME, model_class  # noqa: E402
 from stages.lmeval import offline_unless_hub_reachable  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -227,7 +227,7 @@ def test_the_declared_entry_point_loads_the_registered_model_class() -> None:
 def test_registering_ours_keeps_lm_evals_own_models() -> None:
     """lm-eval 0.4.13 fills its model registry only when it is empty: ours must not hide `hf` & co."""
     code = (
-        "from pipeline.lmeval import model_class\nmodel_class()\n"
+        "from pipeline.evaluate.lmeval import model_class\nmodel_class()\n"
         "from lm_eval.api.registry import model_registry\nprint(sorted(model_registry.keys()))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

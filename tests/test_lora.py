@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig, OptimConfig
-from pipeline.errors import ConfigError, GGUFError
+from pipeline.donor.load import load_base
+from pipeline.errors import AdapterError, ConfigError, GGUFError
 from pipeline.finetune import quant
-from pipeline.finetune.base import load_base, prepare_training
 from pipeline.finetune.lora import (
-    AdapterError,
     LoRALinear,
     attach_lora,
     load_lora_state_dict,
@@ -25,6 +24,7 @@ from pipeline.finetune.lora import (
     merge_lora,
 )
 from pipeline.finetune.lora import dropout as lora_dropout
+from pipeline.finetune.model import prepare_training
 from pipeline.finetune.quant import (
     QuantEmbedding,
     QuantLinear,
@@ -35,9 +35,9 @@ from pipeline.finetune.quant import (
 )
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
-from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import gguf_tensors, llama_metadata, load_llama
+from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.training.optim import make_optimizer
 from tests.conftest import write_tiny_gguf
 from tests.helpers import lora_parameters

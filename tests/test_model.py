@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.donor import pca
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.modeldir import load_model_dir, save_model_dir
-from pipeline.models.llama import _RMSNorm, _Rope, _SwiGLU
+from pipeline.donor.pca import pca
+from pipeline.gguf.reader import GGUFFile
+from pipeline.init.realize import realize
+from pipeline.io.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama_gguf import export_llama, load_llama
-from pipeline.realize import realize
+from pipeline.models.ops.elementwise import RMSNormFn, RopeFn, SwiGLUFn
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
 VOCAB = 49152
@@ -121,8 +122,8 @@ def test_export_loads_in_transformers_with_equal_logprobs(tmp_path: Path, smollm
 
 
 def test_kv_cache_matches_full_forward() -> None:
-    from pipeline.models.base import KVCache
-    from pipeline.models.sampling import generate_ids
+    from pipeline.inference.sampling import generate_ids
+    from pipeline.models.transformer import KVCache
 
     m = realize(TINY, "scratch", VOCAB, 0).eval()
     x = ids(20)
@@ -154,9 +155,9 @@ def test_the_layers_own_backward_gives_the_same_gradients_under_torch_compile(na
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 8, generator=g).to(dtype)
     args = {
-        "rms_norm": (_RMSNorm.apply, (x, torch.randn(8, generator=g)), (1e-5,)),
-        "rope": (_Rope.apply, (x,), (torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))),
-        "swiglu": (_SwiGLU.apply, (x, torch.randn(2, 3, 5, 8, generator=g).to(dtype)), ()),
+        "rms_norm": (RMSNormFn.apply, (x, torch.randn(8, generator=g)), (1e-5,)),
+        "rope": (RopeFn.apply, (x,), (torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))),
+        "swiglu": (SwiGLUFn.apply, (x, torch.randn(2, 3, 5, 8, generator=g).to(dtype)), ()),
     }
     fn, inputs, constants = args[name]
     weights = torch.randn(x.shape, generator=g)

@@ -13,7 +13,7 @@ from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_meta, load_split
 from pipeline.data.text import pack, split_documents
 from pipeline.errors import DataError
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 
 @pytest.fixture(scope="module")

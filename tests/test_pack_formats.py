@@ -17,7 +17,7 @@ from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_meta
 from pipeline.data.text import pack
 from pipeline.errors import DataError
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 HAS_ZSTD = importlib.util.find_spec("zstandard") is not None
 

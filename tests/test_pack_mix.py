@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.config.data import MixSource
+from pipeline.config.data_schema import MixSource
 from pipeline.data.mixture import pack_mixture, val_flags
 from pipeline.data.packed import load_meta, load_split
 from pipeline.errors import ConfigError, DataError
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pipeline.data.packed import load_meta
 from pipeline.data.shards import merge_shards, pack_shard, shard_name
 from pipeline.data.text import pack
 from pipeline.errors import ConfigError, DataError
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from tests.conftest import ROOT
 
 

@@ -17,7 +17,7 @@ from pipeline.data.packed import load_meta, load_split
 from pipeline.data.split import split_indices, val_mask
 from pipeline.data.text import encode_documents, pack, split_documents, wrap_ids
 from pipeline.errors import DataError
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 
 
 @pytest.fixture(scope="module")

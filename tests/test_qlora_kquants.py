@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig, OptimConfig
+from pipeline.donor.load import load_base
 from pipeline.finetune.adapters import apply_adapter, read_adapter_gguf, save_adapter_gguf
-from pipeline.finetune.base import load_base
 from pipeline.finetune.lora import attach_lora, merge_lora
 from pipeline.finetune.quant import BLOCKS, QuantLinear, dequantize, split_blocks
 from pipeline.gguf.quantize import llamacpp_quantize
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.gguf.reader import GGUFFile
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, load_llama
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.optim import make_optimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,13 +20,13 @@ import torch
 from pipeline.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
 from pipeline.data.text import pack
-from pipeline.errors import ConfigError
-from pipeline.modeldir import load_model_dir, save_model_dir
-from pipeline.realize import realize
+from pipeline.errors import CheckpointError, ConfigError, NonFiniteError
+from pipeline.init.realize import realize
+from pipeline.io.modeldir import load_model_dir, save_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
-from pipeline.training.runtime import NonFiniteError, interrupted
+from pipeline.training.runtime import interrupted
 from tests.conftest import ROOT
 
 TINY = ModelConfig(d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, context_length=64)
@@ -36,7 +36,7 @@ TCFG = TrainConfig(steps=8, batch_size=4, seq_len=32, eval_every=4, log_every=1,
 def make_project(root: Path, gguf, n_docs: int = 12) -> Path:
     """A project directory as the stages see it: real packed text and tiny initial weights."""
     from pipeline.data.corpus import load_documents
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+    from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
     root.mkdir(parents=True, exist_ok=True)
     docs = load_documents(DataConfig())[:n_docs]
@@ -64,7 +64,7 @@ def run_lib(
     plan = plan_checkpoints(tcfg, optim, seed, project / "models" / init, project / "data" / "packed", ckpt_dir)
     model = load_model_dir(project / "models" / init)
     packed = project / "data" / "packed"
-    result, _ = train(
+    result = train(
         model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, seed, progress=False, plan=plan
     )
     return model, result, plan
@@ -165,7 +165,7 @@ def test_a_checkpoint_state_of_wrong_types_is_named_and_skipped(project, trained
     assert again.resume is not None and again.resume.step == 6  # train.resume=auto: the one before it
     assert len(reports) == 1 and f"{state_file}: expected a checkpoint state as train writes it" in reports[0]
     assert named in reports[0] and "fix: delete that step directory" in reports[0], reports[0]
-    with pytest.raises(ckpt.CheckpointError, match="train.resume=never") as info:  # an explicit path: refused
+    with pytest.raises(CheckpointError, match="train.resume=never") as info:  # an explicit path: refused
         ckpt.resolve(state_file.parent)
     assert named in str(info.value) and "\n" not in str(info.value)
 
@@ -187,7 +187,7 @@ def test_when_every_checkpoint_is_corrupt_the_last_report_says_the_run_starts_ov
 
 
 def test_a_train_state_of_wrong_types_is_one_named_line_from_export(project: Path, tmp_path: Path) -> None:
-    from pipeline.modeldir import TrainState, read_train_state
+    from pipeline.io.modeldir import TrainState, read_train_state
 
     train_dir = tmp_path / "models" / "train"
     ckpt.shutil.copytree(project / "models" / "init", train_dir)
@@ -311,7 +311,7 @@ def test_skip_nonfinite_skips_and_counts(project: Path, tmp_path: Path) -> None:
     model = load_model_dir(project / "models/init")
     nan_after(model, 3)
     packed = project / "data/packed"
-    result, _ = train(model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, 0, progress=False)
+    result = train(model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, 0, progress=False)
     assert result.skipped_steps == 1
     assert [h["skipped_steps"] for h in result.history] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -412,9 +412,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_nonzero(project: Path, 
 
 
 def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tmp_path: Path, monkeypatch) -> None:
-    from stages.common import run_stage
     from stages.compose import compose_config
-    from stages.train import body, checkpoint_plan
+    from stages.train import body, prepared
 
     monkeypatch.chdir(project)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -433,21 +432,16 @@ def test_stage_marks_the_mlflow_run_failed_on_a_nonfinite_loss(project: Path, tm
         return out
 
     monkeypatch.setattr(Forward, "forward", poisoned)
-    plans = []
-
-    def resume_run(typed, paths):
-        plans.append(checkpoint_plan(typed, paths))
-        return None
-
+    stage, plan = prepared(cfg)
     with pytest.raises(SystemExit) as exit_info:
-        run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
+        stage.run(lambda ctx: body(ctx, plan))
     assert exit_info.value.code == 2
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("smollm-pipeline").experiment_id])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith("train step 3:")
-    assert [s for s, _ in ckpt.step_dirs(plans[0].root)] == [2]
+    assert [s for s, _ in ckpt.step_dirs(plan.root)] == [2]
 
 
 def test_a_stop_in_a_dvc_temp_copy_does_not_promise_a_resume() -> None:
@@ -465,24 +459,18 @@ def test_resuming_the_final_checkpoint_says_nothing_is_left_and_writes_the_same_
     """A re-run whose newest checkpoint is the last step logged "resuming at step 4" as if steps remained."""
     from safetensors.torch import load_file
 
-    from stages.common import run_stage
     from stages.compose import compose_config
-    from stages.train import body, checkpoint_plan
+    from stages.train import body, prepared
 
     monkeypatch.chdir(project)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = compose_config(stage_cmd(tmp_path / "c", 4)[3:] + ["train.eval_every=2"])
 
     def once() -> tuple[dict[str, float], dict[str, torch.Tensor], str]:
-        plans = []
-
-        def resume_run(typed, paths):
-            plans.append(checkpoint_plan(typed, paths))
-            return None
-
         caplog.clear()
         with caplog.at_level("INFO"):
-            metrics = run_stage("train", cfg, lambda ctx: body(ctx, plans[0]), resume_run=resume_run)
+            stage, plan = prepared(cfg)
+            metrics = stage.run(lambda ctx: body(ctx, plan))
         return metrics, load_file(str(project / "models" / "train" / "model.safetensors")), caplog.text
 
     runs = [once(), once()]

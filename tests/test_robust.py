@@ -23,20 +23,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.numpy import save_file
 
 from pipeline.config import DataConfig
+from pipeline.data.pack import run_pack
 from pipeline.data.packed import load_meta, load_rows
-from pipeline.donor import PCAResult
-from pipeline.errors import ConfigError, DataError, GGUFError, PipelineError
-from pipeline.gguf import chat
-from pipeline.gguf.chat import ChatTemplateError, render_chat
+from pipeline.donor.pca import PCAResult
+from pipeline.errors import ChatTemplateError, ConfigError, DataError, GGUFError, PipelineError
 from pipeline.gguf.reader import GGUFFile
-from pipeline.gguf.tokenizer import GGUFTokenizer
-from pipeline.modeldir import TrainState, load_model_dir, model_config, save_model_dir
-from pipeline.models.base import TransformerConfig
+from pipeline.io.modeldir import TrainState, load_model_dir, model_config, save_model_dir
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
 from pipeline.models.llama import Llama
 from pipeline.models.registry import build_model, load_gguf
-from pipeline.pack import run_pack
+from pipeline.models.transformer import TransformerConfig
+from pipeline.tokenizer import chat_template as chat
+from pipeline.tokenizer.chat_template import render_chat
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 from tests.conftest import TINY_TEMPLATE
 from tests.gguf_fuzz import (
     F32,

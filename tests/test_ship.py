@@ -15,20 +15,21 @@ import pytest
 import torch
 import yaml
 
-from pipeline.card import article
 from pipeline.config import EXPORT_TYPES, ExportConfig
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.export import CARD, MODEL_GGUF, ExportPlan, run_ship_export
+from pipeline.evaluate.parity import compare, llamacpp_logprobs, llamacpp_parity
+from pipeline.export.card import article
+from pipeline.export.exporter import CARD, MODEL_GGUF, ExportPlan, run_export
+from pipeline.export.naming import ShipInfo, data_label, donor_identity
 from pipeline.gguf.header import Field
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
+from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_model_gguf
-from pipeline.modeldir import TrainState, save_model_dir
-from pipeline.models.base import TransformerConfig, init_weights
+from pipeline.io.modeldir import TrainState, save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 from pipeline.models.registry import export_gguf
-from pipeline.parity import compare, llamacpp_logprobs, llamacpp_parity
-from pipeline.ship import ShipInfo, data_label, donor_identity
+from pipeline.models.transformer import TransformerConfig, init_weights
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from tests.conftest import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,9 +116,7 @@ def test_export_is_named_by_convention_with_keys_and_card(tmp_path: Path, smollm
     state = TrainState(10, 1000, 3.5, 3.25, 64, 2, mlflow_run_id="abc", initial_val_loss=9.5, kept_step=8)
     save_model_dir(tmp_path / "train", m, train_state=state)
     ship = ShipInfo("lora", "pydoc", finetune=True, version="v1.0", tags=("smollm-pipeline",))
-    run_ship_export(
-        tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("q8_0", ship), {"pipeline.x": "y"}
-    )
+    run_export(tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("q8_0", ship), {"pipeline.x": "y"})
     out = tmp_path / "export"
     named = out / "SmolLM2-3.2M-Instruct-lora-pydoc-v1.0-Q8_0.gguf"
     assert {p.name for p in out.iterdir()} == {MODEL_GGUF, CARD, named.name}
@@ -172,7 +171,7 @@ def test_parity_passes_a_quantized_export_and_fails_a_broken_one(
     init_weights(model, 0.1, 1)  # measured: q4_k_m KL 2.6e-3 (top-1 95%), broken 1.85 (top-1 6%)
     val = np.random.default_rng(0).integers(0, 256, 200).astype(np.uint16)  # a token stream, as pack writes
     q4 = export_llama(model, tmp_path / "q4.gguf", tok_meta, {}, "q4_k_m")
-    with caplog.at_level(logging.INFO, logger="pipeline.parity"):
+    with caplog.at_level(logging.INFO, logger="pipeline.evaluate.parity"):
         metrics = llamacpp_parity(q4, load_llama(q4)[0], val, 64, 2, 0.03)
     assert metrics["llamacpp_tokens"] == 128 and metrics["llamacpp_top1_agreement"] > 0.9
     assert metrics["llamacpp_mean_kl"] < 1e-2 and "top-1 agreement" in caplog.text
@@ -183,13 +182,13 @@ def test_parity_passes_a_quantized_export_and_fails_a_broken_one(
     assert "evaluate.llamacpp_max_kl=0.03" in message and "fix:" in message and "\n" not in message
     print(message)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pipeline.parity"):
+    with caplog.at_level(logging.INFO, logger="pipeline.evaluate.parity"):
         assert llamacpp_parity(broken, model, val, 64, 0, 0.03) == {}
     assert "skipped (evaluate.llamacpp_windows=0)" in caplog.text
 
 
 def test_val_windows_of_a_stream_are_evaluates_windows() -> None:
-    from pipeline.parity import val_windows
+    from pipeline.evaluate.parity import val_windows
 
     val = np.arange(300, dtype=np.uint16)
     windows = val_windows(val, 64, 10)
@@ -228,7 +227,7 @@ def test_an_output_dir_that_cannot_be_written_is_one_named_line(tmp_path: Path, 
         outs.append(tmp_path / "ro" / "export")
     for out in outs:
         with pytest.raises(PipelineError) as err:
-            run_ship_export(tmp_path / "train", smollm2.path, out, ExportPlan(), {})
+            run_export(tmp_path / "train", smollm2.path, out, ExportPlan(), {})
         message = str(err.value)
         assert message.startswith(f"{out}: expected an output path") and "fix: make" in message
         assert "\n" not in message and not out.exists()
@@ -245,7 +244,7 @@ def test_a_train_dir_missing_a_file_names_the_stage_to_rerun(tmp_path: Path, smo
     save_model_dir(train, Llama(cfg))
     (train / missing).unlink()
     with pytest.raises(PipelineError) as err:
-        run_ship_export(train, smollm2.path, tmp_path / "models" / "export", ExportPlan(), {})
+        run_export(train, smollm2.path, tmp_path / "models" / "export", ExportPlan(), {})
     assert str(err.value) == (
         f"{train / missing}: expected a saved model file, found no such file; "
         "fix: the train stage writes it: re-run `dvc repro -f train`"
@@ -260,7 +259,7 @@ def test_an_unknown_export_type_from_python_is_one_named_line(tmp_path: Path, sm
     (tmp_path / "train").mkdir()
     save_model_dir(tmp_path / "train", Llama(cfg))
     for call in (
-        lambda: run_ship_export(tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("q3_k"), {}),
+        lambda: run_export(tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("q3_k"), {}),
         lambda: export_gguf(Llama(cfg), tmp_path / "m.gguf", {}, {}, "q3_k"),
     ):
         with pytest.raises(PipelineError) as err:

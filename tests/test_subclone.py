@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.calibrate import CALIBRATION_FILE, Calibration, calibrate, check_student, run_calibration, windows
 from pipeline.config import ModelConfig, RecipeConfig, SubcloneConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
+from pipeline.donor.calibrate import CALIBRATION_FILE, Calibration, calibrate, check_student, run_calibration, windows
 from pipeline.errors import ConfigError, GGUFError, PipelineError
-from pipeline.modeldir import load_model_dir, read_realize
-from pipeline.models.base import TransformerConfig
+from pipeline.init.realize import run_realize
+from pipeline.init.subclone import fit_gain, select_heads, select_layers, subclone
+from pipeline.io.modeldir import load_model_dir, read_realize
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
-from pipeline.realize import run_realize
-from pipeline.transfer import fit_gain, select_heads, select_layers, subclone
+from pipeline.models.transformer import TransformerConfig
 from tests.conftest import write_tiny_gguf, write_tiny_llama_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")

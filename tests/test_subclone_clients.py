@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.calibrate import calibrate
-from pipeline.gguf.reader import GGUFFile, donor_tokenizer_metadata
-from pipeline.gguf.tokenizer import tokenizer_from_gguf
+from pipeline.donor.calibrate import calibrate
+from pipeline.gguf.reader import GGUFFile
+from pipeline.inference.sampling import generate_ids
+from pipeline.init.subclone import fit_gain, subclone
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, load_llama
-from pipeline.models.sampling import generate_ids
-from pipeline.transfer import fit_gain, subclone
+from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_reference.json"
 

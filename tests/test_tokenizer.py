@@ -8,10 +8,11 @@ from pathlib import Path
 import gguf
 import pytest
 
+from pipeline.donor.locate import resolve_gguf_path
 from pipeline.errors import GGUFError
-from pipeline.gguf.pretokenizers import PRE_TOKENIZERS
-from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-from pipeline.gguf.tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.gguf.reader import GGUFFile
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from pipeline.tokenizer.pretokenizers import PRE_TOKENIZERS
 from tests.helpers import tokenizer_metadata
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_reference.json"

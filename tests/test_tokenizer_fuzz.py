@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.gguf.reader import GGUFFile, resolve_gguf_path
-from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.gguf.reader import GGUFFile
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 from tests.helpers import tokenizer_metadata
 from tests.test_tokenizer import SPM_SCORES, SPM_TOKENS, SPM_TYPES, spm_gguf, write_gguf
 

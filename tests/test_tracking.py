@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import PipelineConfig
-from pipeline.files import atomic_dir
+from pipeline.io.files import atomic_dir
 from pipeline.tracking import Tracker, default_tracking_uri, is_local_store, project_root
-from stages.common import run_stage
+from stages._run.lifecycle import run_stage
+from stages._run.mlflow_runs import open_run, summarize_parent
 from stages.compose import compose_config
-from stages.runs import open_run, summarize_parent
 
 WORKERS = 4
 

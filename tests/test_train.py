@@ -17,8 +17,8 @@ import torch
 
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.errors import ConfigError
-from pipeline.models.varlen import PackedRows
-from pipeline.realize import realize
+from pipeline.init.realize import realize
+from pipeline.models.ops.varlen import PackedRows
 from pipeline.training.batches import BatchSampler
 from pipeline.training.loop import Hooks, train
 from pipeline.training.optim import lr_at
@@ -55,7 +55,7 @@ def packed(tmp_path_factory, smollm2):
     from pipeline.config import DataConfig
     from pipeline.data.corpus import load_documents
     from pipeline.data.text import encode_documents
-    from pipeline.gguf.tokenizer import tokenizer_from_gguf
+    from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
     docs = load_documents(DataConfig())[:12]
     ids = encode_documents(docs, tokenizer_from_gguf(smollm2), False, True)
@@ -69,7 +69,7 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
     before = evaluate_loss(model, val_ids, 32, 8, torch.device("cpu"))
     tcfg = TrainConfig(steps=30, batch_size=8, seq_len=32, eval_every=15, log_every=5, precision=precision)
     logged = []
-    result, opt = train(
+    result = train(
         model,
         train_ids,
         val_ids,
@@ -85,7 +85,7 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
     assert {"train_loss", "lr", "grad_norm", "tokens_per_second"} <= set(logged[0][1])
     where = next(model.parameters()).device  # train.device=auto: the model stays where it trained (CUDA if any)
     assert result.final_val_loss == pytest.approx(evaluate_loss(model, val_ids, 32, 8, where))
-    assert len(opt.state) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(result.optimizer_state["state"]) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
 def test_a_split_with_no_window_is_a_named_error_not_a_division_by_zero() -> None:
@@ -100,7 +100,7 @@ def test_training_is_reproducible(packed) -> None:
     runs = []
     for _ in range(2):
         m = realize(TINY, "scratch", 49152, 0)
-        result, _ = train(m, train_ids, val_ids, tcfg, OptimConfig(), 7, progress=False)
+        result = train(m, train_ids, val_ids, tcfg, OptimConfig(), 7, progress=False)
         runs.append(([h["train_loss"] for h in result.history], m.state_dict()))
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1].values(), runs[1][1].values()):
@@ -110,7 +110,7 @@ def test_training_is_reproducible(packed) -> None:
 def test_grad_accumulation_runs(packed) -> None:
     train_ids, val_ids = packed
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, grad_accum=3, eval_every=2, log_every=1)
-    result, _ = train(realize(TINY, "scratch", 49152, 0), train_ids, val_ids, tcfg, OptimConfig(), 0, progress=False)
+    result = train(realize(TINY, "scratch", 49152, 0), train_ids, val_ids, tcfg, OptimConfig(), 0, progress=False)
     assert result.tokens_seen == 2 * 2 * 16 * 3
 
 
@@ -130,7 +130,7 @@ def test_seq_len_beyond_context_is_named() -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
-    from pipeline.models.losses import linear_cross_entropy
+    from pipeline.models.ops.losses import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(300, 48, generator=g, requires_grad=True)
@@ -150,7 +150,7 @@ def test_chunked_cross_entropy_matches_the_plain_path(precision: str) -> None:
 @pytest.mark.parametrize("distill", [False, True])
 def test_chunked_losses_skip_the_gradient_of_a_frozen_head(distill: bool) -> None:
     """LoRA's frozen tied head: no weight gradient is computed or returned, the input's is unchanged."""
-    from pipeline.models.losses import linear_cross_entropy, linear_distill_loss, top_k_targets
+    from pipeline.models.ops.losses import linear_cross_entropy, linear_distill_loss, top_k_targets
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(200, 32, generator=g, requires_grad=True)
@@ -174,7 +174,7 @@ def test_chunked_losses_skip_the_gradient_of_a_frozen_head(distill: bool) -> Non
 
 def test_no_grad_loss_in_chunks_equals_the_plain_path() -> None:
     """Validation's loss holds one chunk of fp32 logits; one chunk is the plain path exactly."""
-    from pipeline.models.losses import linear_nll
+    from pipeline.models.ops.losses import linear_nll
 
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(300, 32, generator=g), torch.randn(4000, 32, generator=g) * 0.2
@@ -185,7 +185,7 @@ def test_no_grad_loss_in_chunks_equals_the_plain_path() -> None:
 
 
 def test_cross_entropy_of_an_underflowing_target_is_finite() -> None:
-    from pipeline.models.losses import linear_cross_entropy
+    from pipeline.models.ops.losses import linear_cross_entropy
 
     h = torch.tensor([[1.0, 0.0]], requires_grad=True)
     w = torch.tensor([[200.0, 0.0], [-200.0, 0.0]])  # p(target=1) = e^-400: below fp32
@@ -218,7 +218,7 @@ def test_compiled_blocks_train_like_eager(packed) -> None:
     runs = []
     for compiled in (False, True):
         tcfg = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=3, log_every=1, precision="fp32")
-        result, _ = train(
+        result = train(
             realize(TINY, "scratch", 49152, 0), train_ids, val_ids, replace(tcfg, compile=compiled), OptimConfig(), 0,
             progress=False,
         )  # fmt: skip
@@ -259,8 +259,8 @@ def test_lbfgs_reduces_the_loss(packed) -> None:
     optim = OptimConfig(
         name="lbfgs", lr=1.0, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=0.0, lbfgs_max_iter=5
     )
-    result, opt = train(model, train_ids, val_ids, tcfg, optim, 0, progress=False)
-    assert isinstance(opt, torch.optim.LBFGS)
+    result = train(model, train_ids, val_ids, tcfg, optim, 0, progress=False)
+    assert "history_size" in result.optimizer_state["param_groups"][0]  # torch.optim.LBFGS's own setting
     assert result.final_val_loss < before - 0.3
 
 
@@ -299,7 +299,7 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=1, log_every=1, precision="fp32")
     logged = []
     hooks = Hooks(log=lambda m, s: logged.append(m), bits_per_token=0.25)
-    result, _ = train(realize(TINY, "scratch", 49152, 0), ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks)
+    result = train(realize(TINY, "scratch", 49152, 0), ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks)
     val = [m for m in logged if "val_loss" in m]
     assert len(val) == 2 and all(m["val_bpb"] == pytest.approx(m["val_loss"] * 0.25) for m in val)
     out = metrics(result, 0.25)

@@ -1,4 +1,4 @@
-"""Padding-free packed rows (`pipeline.models.varlen`): the loss and its gradients over packed rows equal
+"""Padding-free packed rows (`pipeline.models.ops.varlen`): the loss and its gradients over packed rows equal
 those of each example run alone, for both architectures, through both attention paths, and the fused
 llama ops (RMSNorm, RoPE, SwiGLU) equal autograd's own graph of the same math."""
 
@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.models import varlen
-from pipeline.models.base import TransformerConfig, init_weights
 from pipeline.models.gpt2 import GPT2
-from pipeline.models.llama import Llama, _RMSNorm, _rotate, _SwiGLU, apply_rope
-from pipeline.models.losses import IGNORE_INDEX
-from pipeline.models.varlen import PackedRows
+from pipeline.models.llama import Llama
+from pipeline.models.ops import varlen
+from pipeline.models.ops.elementwise import RMSNormFn, SwiGLUFn, apply_rope, rotate
+from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.models.ops.varlen import PackedRows
+from pipeline.models.transformer import TransformerConfig, init_weights
 
 CFG = TransformerConfig(vocab_size=50, d_model=32, n_layer=2, n_head=4, n_kv_head=2, d_ff=48, context_length=64)
 
@@ -104,7 +105,7 @@ def test_fused_llama_ops_equal_autograd_of_the_same_math() -> None:
         x = torch.randn(2, 5, 64, generator=g).to(dtype).requires_grad_()
         w = torch.randn(64, generator=g).requires_grad_()
         grad = torch.randn(2, 5, 64, generator=g).to(dtype)
-        ours = _RMSNorm.apply(x, w, 1e-5)
+        ours = RMSNormFn.apply(x, w, 1e-5)
         xf = x.float()
         plain = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(dtype)
         assert torch.equal(ours, plain)
@@ -113,12 +114,12 @@ def test_fused_llama_ops_equal_autograd_of_the_same_math() -> None:
         angles = torch.rand(5, 4, generator=g) * 6
         q = torch.randn(1, 3, 5, 8, generator=g).to(dtype).requires_grad_()
         gq = torch.randn(1, 3, 5, 8, generator=g).to(dtype)
-        ours, plain = apply_rope(q, angles.cos(), angles.sin()), _rotate(q, angles.cos(), angles.sin())
+        ours, plain = apply_rope(q, angles.cos(), angles.sin()), rotate(q, angles.cos(), angles.sin())
         assert torch.equal(ours, plain)
         torch.testing.assert_close(torch.autograd.grad(ours, q, gq)[0], torch.autograd.grad(plain, q, gq)[0])
         a, b = (torch.randn(7, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
         gs = torch.randn(7, 16, generator=g).to(dtype)
-        ours, plain = _SwiGLU.apply(a, b), F.silu(a) * b
+        ours, plain = SwiGLUFn.apply(a, b), F.silu(a) * b
         assert torch.equal(ours, plain)
         for p, r in zip(torch.autograd.grad(ours, (a, b), gs), torch.autograd.grad(plain, (a, b), gs)):
             torch.testing.assert_close(p.float(), r.float(), atol=tol, rtol=tol)

@@ -6,17 +6,8 @@ objects as they are. The schemas import only the error shape and the pure-data t
 so every layer may import them.
 """
 
-from pipeline.config.composed import (
-    EXPORT_TYPES,
-    EvaluateConfig,
-    ExportConfig,
-    PipelineConfig,
-    ReportConfig,
-    TrackingConfig,
-)
-from pipeline.config.data import SOURCES, TEMPLATES, DataConfig, DonorConfig
-from pipeline.config.generate import ChatConfig, GenerateConfig
-from pipeline.config.model import (
+from pipeline.config.data_schema import SOURCES, TEMPLATES, DataConfig, DonorConfig
+from pipeline.config.model_schema import (
     FINETUNE_MODES,
     INITS,
     LAYER_RULES,
@@ -26,7 +17,16 @@ from pipeline.config.model import (
     RecipeConfig,
     SubcloneConfig,
 )
-from pipeline.config.train import (
+from pipeline.config.pipeline_schema import (
+    EXPORT_TYPES,
+    EvaluateConfig,
+    ExportConfig,
+    PipelineConfig,
+    ReportConfig,
+    TrackingConfig,
+)
+from pipeline.config.tools_schema import ChatConfig, GenerateConfig
+from pipeline.config.train_schema import (
     DEVICES,
     DISTILL_MODES,
     OPTIMIZERS,

@@ -1,1 +1,2 @@
-"""Data: corpora and instruction examples, the one train/val split rule, the packed-data format."""
+"""The pack stage: corpora, images and instruction examples, the one train/val split rule, and the
+packed-data format."""

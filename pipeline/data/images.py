@@ -20,7 +20,7 @@ from pipeline.config import DataConfig
 from pipeline.data.packed import PackMeta, write_images, write_meta
 from pipeline.data.split import split_indices
 from pipeline.errors import DataError, one_line, problem
-from pipeline.files import atomic_dir
+from pipeline.io.files import atomic_dir
 
 
 @dataclass
@@ -166,7 +166,8 @@ def pack_images(data: DataConfig, out_dir: Path) -> tuple[PackMeta, dict[str, fl
     }
     n_classes = len(found.classes)
     meta = PackMeta(
-        vocab_size=n_classes,
+        vocab_size=0,
+        n_classes=n_classes,
         dtype="float32",
         tokenizer_fingerprint="",
         corpus_sha256=found.sha256,
@@ -175,7 +176,7 @@ def pack_images(data: DataConfig, out_dir: Path) -> tuple[PackMeta, dict[str, fl
         eos_id=None,
         documents=counts,
         tokens=dict(counts),
-        distinct_tokens=n_classes,
+        distinct_tokens=0,
         format="images",
         stats=stats,
         data=asdict(data),

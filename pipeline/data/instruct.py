@@ -1,12 +1,12 @@
 """Instruction data: JSONL examples -> chat-formatted token rows with response-only labels, packed.
 
 Each example is a prompt (a conversation) and a response. It is rendered with the base GGUF's
-chat template (sandboxed, `pipeline.gguf.chat.render_chat`) or a plain template, tokenized as
+chat template (sandboxed, `pipeline.tokenizer.chat_template.render_chat`) or a plain template, tokenized as
 prompt ids + response ids, and turned into next-token pairs: position t holds token t and its
 label is token t+1 when that token belongs to the response, else -100 (ignored by
 `F.cross_entropy(ignore_index=-100)` and by the models' `loss`). Several examples share a row when
 `pack` is on; `segment_ids` (1, 2, ... per example, 0 for padding) make the models' `loss` keep
-attention (and positions) inside each example (`pipeline.models.base.segment_causal_mask`).
+attention (and positions) inside each example (`pipeline.models.transformer.segment_causal_mask`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pipeline.data.instruct_formats import conversation
 from pipeline.data.packed import Packed
 from pipeline.data.readers import iter_lines, load_json_line
 from pipeline.errors import ConfigError, DataError, problem
-from pipeline.gguf.chat import render_messages
-from pipeline.gguf.spans import Span, cut, encode_spans, ends_in_text, render_spans
-from pipeline.gguf.tokenizer import GGUFTokenizer
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.tokenizer.chat_template import render_messages
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
+from pipeline.tokenizer.spans import Span, cut, encode_spans, ends_in_text, render_spans
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Formatter:
 
     def spans(self, ex: Example) -> tuple[list[Span], list[Span]]:
         """`texts` as spans: the template's text trusted, the example's own text (prompt, response,
-        message contents) untrusted unless data.parse_special (see `pipeline.gguf.spans`)."""
+        message contents) untrusted unless data.parse_special (see `pipeline.tokenizer.spans`)."""
         prompt_text, response_text = self.texts(ex)
         if self.cfg.parse_special:
             return [(prompt_text, True)], [(response_text, True)]

@@ -17,8 +17,8 @@ from pipeline.data.packed import SPLITS, Packed, PackMeta, save_rows, write_meta
 from pipeline.data.pydoc_qa import write_pydoc_instruct
 from pipeline.data.split import split_indices
 from pipeline.errors import DataError, problem
-from pipeline.files import atomic_dir, write_text
-from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.io.files import atomic_dir, write_text
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 
 def split_examples(lines: list[str], val_fraction: float, seed: int) -> dict[str, list[str]]:

@@ -31,8 +31,8 @@ from pipeline.data.corpus import CorpusHash, Document, iter_documents
 from pipeline.data.packed import SPLITS, PackMeta, ids_dtype, write_meta
 from pipeline.data.text import batches, data_record, pack_metrics, resolve_add_bos, wrap_ids
 from pipeline.errors import DataError, PipelineError, problem
-from pipeline.files import atomic_dir
-from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.io.files import atomic_dir
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 GOLDEN = 0x9E3779B97F4A7C15
 

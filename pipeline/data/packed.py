@@ -7,7 +7,7 @@
   (-100 = no loss) and `segment_ids` (1.. per packed example, 0 = padding), plus stats; or
 - labelled images (`format: images`, the ViT recipe): `{split}.pixels` (raw little-endian float32,
   (N, channels, size, size), normalized) and `{split}.labels` (int64), read back as memmaps;
-  `vocab_size` is the number of classes, `documents` and `tokens` count images, and `stats` holds
+  `n_classes` is the number of classes (`vocab_size` 0), `documents` and `tokens` count images, and `stats` holds
   the class names, image size, channels and the normalization (mean, std).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import DataError, problem
-from pipeline.files import atomic_file, fingerprint_of, sha256_file, write_json
+from pipeline.io.files import atomic_file, fingerprint_of, sha256_file, write_json
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -48,6 +48,7 @@ class PackMeta:
     bytes: dict[str, int] | None = None  # running text: UTF-8 bytes of each split's documents (bits per byte)
     sources: list[dict] | None = None  # a mixture: per source documents, tokens, share (pipeline.data.mixture)
     shards: int | None = None  # merged from this many shards (pipeline.data.shards)
+    n_classes: int = 0  # images: the number of classes (vocab_size is then 0: there are no tokens)
 
     def bits_per_token(self, split: str = "val") -> float | None:
         """Nats per token -> bits per UTF-8 byte of `split`'s text (its token/byte ratio over ln 2): the
@@ -153,8 +154,14 @@ def _count(v: object) -> bool:
 
 def _meta_problem(m: PackMeta) -> str | None:
     """What is wrong with a meta's values (types and ranges later stages rely on), or None."""
-    if not _count(m.vocab_size) or m.vocab_size == 0:
-        return f"vocab_size {m.vocab_size!r}"
+    images = m.format == "images"
+    if (
+        not _count(m.vocab_size)
+        or (m.vocab_size == 0) != images
+        or not _count(m.n_classes)
+        or (m.n_classes > 0) != images
+    ):
+        return f"vocab_size {m.vocab_size!r}, n_classes {m.n_classes!r} (format {m.format!r})"
     if m.dtype not in ("uint16", "uint32", "int64", "float32") or m.format not in ("tokens", "instruct", "images"):
         return f"dtype {m.dtype!r}, format {m.format!r}"
     for name, counts in (("tokens", m.tokens), ("documents", m.documents)):

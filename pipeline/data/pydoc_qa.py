@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from pipeline.data.split import split_indices
-from pipeline.files import write_text
+from pipeline.io.files import write_text
 
 _UNDERLINE = re.compile(r"^([*=\-~^])\1{2,}$")
 _NOTE = ("New in version", "Added in version", "Changed in version", "Deprecated since")

@@ -32,9 +32,9 @@ from pipeline.data.packed import PackMeta, ids_dtype, write_meta
 from pipeline.data.split import val_mask
 from pipeline.data.text import copy_runs, data_record, pack_metrics, peak_rss_mb, split_meta, tokenize_to
 from pipeline.errors import ConfigError, DataError, problem
-from pipeline.files import atomic_dir, write_json
-from pipeline.gguf.tokenizer import GGUFTokenizer
-from pipeline.records import field_problems
+from pipeline.io.files import atomic_dir, write_json
+from pipeline.io.records import field_problems
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 SHARD_BLOCK = 1000  # consecutive documents that go to one shard
 SHARD_META = "shard.json"

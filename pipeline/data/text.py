@@ -25,13 +25,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pipeline.config import DataConfig
-from pipeline.config.data import HOW_KEYS
+from pipeline.config.data_schema import HOW_KEYS
 from pipeline.data.corpus import CorpusHash, Document, too_few_documents
 from pipeline.data.packed import REPACK, SPLITS, PackMeta, ids_dtype, write_meta
 from pipeline.data.split import split_indices, val_mask
 from pipeline.errors import DataError, problem
-from pipeline.files import atomic_dir
-from pipeline.gguf.tokenizer import GGUFTokenizer
+from pipeline.io.files import atomic_dir
+from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 BATCH_DOCS = 1000  # documents per encode_batch call
 BATCH_BYTES = 8 << 20  # ... or fewer, when their text passes this many bytes

@@ -30,10 +30,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.config import LoraConfig
-from pipeline.errors import GGUFError, one_line, problem
-from pipeline.files import atomic_dir, default_mode
+from pipeline.errors import AdapterError, GGUFError, one_line, problem
 from pipeline.finetune.lora import (
-    AdapterError,
     attach_lora,
     check_architecture,
     load_lora_state_dict,
@@ -45,6 +43,7 @@ from pipeline.finetune.lora import (
 from pipeline.finetune.quant import QuantMatrix, dequantize_model
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
+from pipeline.io.files import atomic_dir, default_mode
 from pipeline.models.names import LLAMA_LAYERS, LORA_TARGETS
 from pipeline.models.registry import export_gguf
 
@@ -88,7 +87,7 @@ def adapter_gguf_tensors(model: nn.Module) -> dict[str, np.ndarray]:
 
 def save_adapter_gguf(model: nn.Module, path: str | os.PathLike[str], keys: dict[str, Any] | None = None) -> Path:
     """The attached adapters as a llama.cpp LoRA adapter GGUF (f32), written atomically. `keys` are
-    the export's `general.*` keys (name, base_model.*: pipeline.ship) and provenance; the adapter's
+    the export's `general.*` keys (name, base_model.*: pipeline.export.naming) and provenance; the adapter's
     own keys (general.type, adapter.*) are set last so nothing in `keys` can turn it into a model."""
     info = lora_config_of(model)
     metadata: dict[str, Any] = dict(keys or {})

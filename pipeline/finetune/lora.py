@@ -18,14 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import LoraConfig
-from pipeline.errors import ConfigError, GGUFError, PipelineError, problem
+from pipeline.errors import AdapterError, ConfigError, GGUFError, PipelineError, problem
 from pipeline.models.names import LORA_TARGETS
 
 SUPPORTED_ARCHS = ("llama",)
-
-
-class AdapterError(PipelineError):
-    """An adapter does not fit the model it is applied to (names, shapes, rank)."""
 
 
 class _Dropout(torch.autograd.Function):

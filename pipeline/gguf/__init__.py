@@ -1,1 +1,2 @@
-"""GGUF files: a bounds-checked reader, the one writer, and the tokenizer and chat template a GGUF carries."""
+"""The GGUF file format only: a bounds-checked header parser and memory-mapped reader, the one writer,
+and llama.cpp's quantizer for the K-quants."""

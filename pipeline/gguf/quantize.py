@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from pipeline.errors import ConfigError, GGUFError, problem
-from pipeline.files import atomic_file
+from pipeline.io.files import atomic_file
 
 # export dtype -> the name of llama.cpp's enum llama_ftype member
 K_QUANTS = {

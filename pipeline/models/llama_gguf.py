@@ -6,7 +6,7 @@ does not fit gives a named error instead of a silent mis-load.
 No Q/K permutation, in either direction. llama.cpp's converter permutes the rows of
 attn_q/attn_k from the Hugging Face layout (RoPE on the two halves of each head) into the
 original Meta layout (RoPE on adjacent pairs), and transformers un-permutes them when it reads a
-GGUF. Our attention applies RoPE to adjacent pairs (`pipeline.models.llama.apply_rope`), i.e. it
+GGUF. Our attention applies RoPE to adjacent pairs (`pipeline.models.ops.elementwise.apply_rope`), i.e. it
 computes in GGUF's layout, so every GGUF tensor is copied as is. tests/test_gguf_fidelity.py
 proves it: our logits on SmolLM2 equal transformers' logits on the same GGUF.
 """
@@ -23,7 +23,6 @@ import torch
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import MAX_INT, GGUFFile
 from pipeline.gguf.writer import FILE_TYPES, write_model_gguf
-from pipeline.models.base import TransformerConfig
 from pipeline.models.convert import TensorLayout, assign_from_gguf, check_shapes, check_tensor_set, export_tensors
 from pipeline.models.llama import Llama
 from pipeline.models.names import (
@@ -35,6 +34,7 @@ from pipeline.models.names import (
     ROPE_FREQS,
     TOKEN_EMBD,
 )
+from pipeline.models.transformer import TransformerConfig
 
 LAYOUT = TensorLayout(LLAMA_INPUT_TENSORS, LLAMA_BLOCK_TENSORS, LLAMA_OUTPUT_TENSORS)
 

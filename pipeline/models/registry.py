@@ -14,12 +14,12 @@ from typing import Any
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import check_export_dtype
-from pipeline.models.base import DecoderLM, TransformerConfig
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, load_llama
 from pipeline.models.names import ARCHITECTURES
+from pipeline.models.transformer import DecoderLM, TransformerConfig
 from pipeline.models.vit import ViT
 from pipeline.models.vit_gguf import export_vit, load_vit
 

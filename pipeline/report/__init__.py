@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.files import write_text
+from pipeline.io.files import write_text
 from pipeline.report.build import ReportInputs, build_report
 from pipeline.report.content import Report
 from pipeline.report.outputs import Outputs, check_ready, read_outputs

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from pipeline.files import flatten
+from pipeline.io.files import flatten
 from pipeline.tracking import VAL_DATA_TAG, RunRecord
 
 COMPARED_METRICS = ("val_loss", "val_ppl", "val_bpb", "gap_to_donor")

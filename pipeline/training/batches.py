@@ -20,9 +20,9 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows, n_items
-from pipeline.data.teacher import TeacherCache
+from pipeline.distill.cache import TeacherCache
 from pipeline.errors import ConfigError, DataError, problem
-from pipeline.models.losses import narrow_targets
+from pipeline.models.ops.losses import narrow_targets
 from pipeline.training import distributed as dist
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class BatchSampler:
 
 class DistillSampler:
     """A `BatchSampler`'s windows plus the cached donor targets of their positions: (x, y, ids,
-    log-probs, tail), the targets narrowed to `top_k` (`pipeline.models.losses.narrow_targets`)."""
+    log-probs, tail), the targets narrowed to `top_k` (`pipeline.models.ops.losses.narrow_targets`)."""
 
     def __init__(self, windows: BatchSampler, cache: TeacherCache, top_k: int):
         self.windows, self.cache, self.top_k = windows, cache, top_k

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError, problem
-from pipeline.files import atomic_dir, flatten, pid_alive, sha256_file
-from pipeline.records import field_problems
+from pipeline.errors import CheckpointError, problem
+from pipeline.io.files import atomic_dir, flatten, pid_alive, sha256_file
+from pipeline.io.records import field_problems
 
 FORMAT = 1
 STATE_FILE = "state.json"
@@ -33,10 +33,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^\.step-\d+\.(?:tmp|old)-(\d+)$")
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(PipelineError):
-    """A checkpoint is missing, corrupt, or from a different configuration."""
 
 
 def config_key(compat: dict[str, Any]) -> str:
@@ -200,7 +196,7 @@ def write(root: Path, step: int, fill: Callable[[Path], None], state: dict[str, 
     checkpoint.
     """
     root = Path(root)
-    remove_stale_temps(root)
+    remove_abandoned_writes(root)
     final = root / step_name(step)
     with atomic_dir(final) as tmp:
         fill(tmp)
@@ -228,7 +224,7 @@ def remove_newer(root: Path, step: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_stale_temps(root: Path) -> None:
+def remove_abandoned_writes(root: Path) -> None:
     """Temp/old directories left by a process that died mid-write (its pid no longer runs)."""
     if not Path(root).is_dir():
         return

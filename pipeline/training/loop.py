@@ -24,9 +24,10 @@ from tqdm.auto import tqdm
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
-from pipeline.data.teacher import TeacherCache
+from pipeline.distill.cache import TeacherCache
+from pipeline.errors import NonFiniteError
 from pipeline.models.devices import to_device
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
@@ -36,7 +37,6 @@ from pipeline.training.queued import QueuedSteps, defers, nonfinite
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
     HeapGuard,
-    NonFiniteError,
     autocast,
     bound_kernel_caches,
     interrupted,
@@ -65,8 +65,6 @@ class Hooks:
     log: LogFn = _ignore
     flush: Callable[[], None] = _ignore
     run_id: str | None = None
-    progress: bool = True  # a tqdm bar on the main rank (off for quiet/json output)
-    bits_per_token: float | None = None  # val loss (nats/token) -> bits per byte: logged as val_bpb beside it
 
 
 @dataclass
@@ -103,8 +101,9 @@ def train(
     plan: CheckpointPlan | None = None,
     progress: bool = True,
     teacher: TeacherCache | nn.Module | None = None,
-) -> tuple[TrainResult, torch.optim.Optimizer]:
-    """Train `model` in place for `tcfg.steps` optimizer steps; returns the result and optimizer.
+    val_bits_per_token: float | None = None,
+) -> TrainResult:
+    """Train `model` in place for `tcfg.steps` optimizer steps.
 
     The data are token streams (random windows of train.seq_len), packed instruct rows (epochs
     over the rows, response-only loss, segment-masked attention, an extra validation at step 0 and
@@ -113,10 +112,12 @@ def train(
     With a `plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
     from `plan.resume` if set. With `train.distill.weight` > 0,
     `teacher` is the donor's cached targets of `train_data` (cached mode) or the donor (online).
+    `progress`: a progress display on the main rank (`pipeline.progress`); `val_bits_per_token` turns
+    each val loss (nats/token) into bits per byte, logged as `val_bpb` beside it.
     """
     check_batches(model, train_data, val_data, tcfg, optim)
     check_distill(train_data, tcfg, teacher)
-    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher)
+    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher, val_bits_per_token)
     if is_rows(train_data) and run.state.initial_val_loss is None:  # the base model's held-out loss, first
         run.state.initial_val_loss = run.validate()["val_loss"]
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
@@ -142,16 +143,17 @@ def train(
             if run.state.stopped_early:
                 break
     bar.close()
-    return run.result(start), run.session.opt
+    return run.result(start)
 
 
 class _Run:
     """One call of `train`: the process set up, the session, the sampler and the loop state."""
 
     def __init__(
-        self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None, teacher
+        self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None, teacher, bits
     ):
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
+        self.bits_per_token: float | None = bits  # val loss (nats/token) -> bits per byte
         self.device = _prepare(model, tcfg, seed, plan)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)
@@ -225,7 +227,7 @@ class _Run:
             self.queue.add(step, row)
         else:
             row["tokens_per_second"] = self.tokens_per_step / (time.perf_counter() - t0)
-            self.settled(step, row)
+            self.check_read(step, row)
         return row, self.rows and int(self.sampler.epoch) > epoch_before
 
     def _queued_step(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -241,7 +243,7 @@ class _Run:
             self.graph = GraphedStep(self._queued_step, batches, self.session.params, self.device)
         return self.graph(batches)
 
-    def settled(self, step: int, row: dict[str, Any]) -> None:
+    def check_read(self, step: int, row: dict[str, Any]) -> None:
         """A step whose figures are read: a non-finite one fails the run (or, with train.skip_nonfinite,
         counts as skipped: its update was not applied); the epoch's loss list grows."""
         loss, grad_norm = row["train_loss"], row["grad_norm"]
@@ -254,14 +256,14 @@ class _Run:
         if self.rows:
             self.state.epoch_losses.append(loss)
 
-    def settle(self) -> None:
-        """Read the queued steps' figures (one wait for the device) and settle them in order; the last
-        one's tokens/s is over all of them."""
+    def read_queued(self) -> None:
+        """Read the queued steps' figures (one wait for the device) and check each in order
+        (`check_read`); the last one's tokens/s is over all of them."""
         if self.queue is None or not self.queue.rows:
             return
-        rows, seconds = self.queue.settle()
+        rows, seconds = self.queue.read()
         for step, row in rows:
-            self.settled(step, row)
+            self.check_read(step, row)
         rows[-1][1]["tokens_per_second"] = self.tokens_per_step * len(rows) / max(seconds, 1e-9)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
@@ -299,12 +301,12 @@ class _Run:
         done = self.state.step = step + 1
         validating = done % self.tcfg.eval_every == 0 or done == self.tcfg.steps or epoch_end
         if validating or done % self.tcfg.log_every == 0 or step == 0:
-            self.settle()
+            self.read_queued()
         if validating:
             row.update(self.validate())
             row["val_ppl"] = math.exp(row["val_loss"])
-            if self.hooks.bits_per_token is not None:
-                row["val_bpb"] = row["val_loss"] * self.hooks.bits_per_token
+            if self.bits_per_token is not None:
+                row["val_bpb"] = row["val_loss"] * self.bits_per_token
             self.track_best(done, row["val_loss"])
         if epoch_end:  # perplexity per epoch: the epoch's mean train loss and the val loss at its end
             losses = self.state.epoch_losses
@@ -341,7 +343,7 @@ class _Run:
         plan, done = self.plan, self.state.step
         if plan is None or not (stop or done == self.tcfg.steps or (plan.every > 0 and done % plan.every == 0)):
             return
-        self.settle()  # a checkpoint holds no step whose figures were not read
+        self.read_queued()  # a checkpoint holds no step whose figures were not read
         self.hooks.flush()
         best = self.best if self.best is not None and self.state.best_step != done else None
         state = replace(self.state, seconds=self.seconds())

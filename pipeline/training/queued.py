@@ -40,7 +40,7 @@ class QueuedSteps:
     def add(self, step: int, row: dict[str, Any]) -> None:
         self.rows.append((step, row))
 
-    def settle(self) -> tuple[list[tuple[int, dict[str, Any]]], float]:
+    def read(self) -> tuple[list[tuple[int, dict[str, Any]]], float]:
         """The queued (step, row)s with every tensor read as a float (one wait for the device), and
         the seconds since the clock was last restarted; the queue empties."""
         tensors = [v for _, row in self.rows for v in row.values() if isinstance(v, torch.Tensor)]

@@ -20,11 +20,11 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import data_files
-from pipeline.data.teacher import META_FILE as TEACH_META
+from pipeline.distill.cache import META_FILE as TEACH_META
 from pipeline.errors import ConfigError, problem
-from pipeline.files import fingerprint
-from pipeline.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_files, write_weights
-from pipeline.models.base import TransformerConfig
+from pipeline.io.files import fingerprint
+from pipeline.io.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_files, write_weights
+from pipeline.models.transformer import TransformerConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.checkpoint import LoopState

@@ -17,27 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.config import TrainConfig
-from pipeline.errors import ConfigError, PipelineError, problem
-from pipeline.models.fused import use_fused_kernels
-from pipeline.models.varlen import keep_attend_eager
+from pipeline.errors import ConfigError, TrainingInterrupted, problem
+from pipeline.models.ops.fused import use_fused_kernels
+from pipeline.models.ops.varlen import keep_attend_eager
 
 log = logging.getLogger(__name__)
 
 KERNEL_CACHE_CAPACITY = 128  # matmul shapes kept compiled: a step of packed rows uses ~50
-
-
-class NonFiniteError(PipelineError):
-    """A step produced a NaN/inf loss or gradient; the run stops before applying it."""
-
-
-class TrainingInterrupted(PipelineError):
-    """SIGINT/SIGTERM: the step finished, a checkpoint was written, the run stops."""
-
-    mlflow_status = "KILLED"
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 def pick_device(name: str) -> torch.device:

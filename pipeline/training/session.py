@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.config import DistillConfig, OptimConfig, TrainConfig
-from pipeline.models.losses import head_targets
+from pipeline.models.ops.losses import head_targets
 from pipeline.training import distributed as dist
 from pipeline.training.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipeline.data.packed import Images, Packed, is_images, is_rows
-from pipeline.models.losses import IGNORE_INDEX
+from pipeline.models.ops.losses import IGNORE_INDEX
 
 
 def validation_metrics(

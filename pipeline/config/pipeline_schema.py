@@ -1,0 +1,138 @@
+"""Export, evaluate and tracking settings, and `PipelineConfig`: the whole composed `params.yaml`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.checks import at_least, check, choice, positive
+from pipeline.config.data_schema import DataConfig, DonorConfig
+from pipeline.config.model_schema import ModelConfig, RecipeConfig
+from pipeline.config.train_schema import OptimConfig, TrainConfig
+
+# = pipeline.gguf.writer.TENSOR_TYPES (gguf-py writes them) + K_QUANTS (llama.cpp's quantizer does; a test checks)
+EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
+
+
+@dataclass
+class ExportConfig:
+    """The exported GGUF's tensor type and name."""
+
+    dtype: str = "f32"
+    name: str = ""  # the file's basename (general.basename); "" = the donor's (SmolLM2)
+    version: str = ""  # general.version and the file name's version part, e.g. v1.0; "" = none
+
+    def __post_init__(self) -> None:
+        choice(self.dtype, "export.dtype", EXPORT_TYPES)  # a K-quant's llama.cpp is checked by the stages
+
+
+@dataclass
+class EvaluateConfig:
+    """Samples written after evaluation, for fixed prompts; `baseline_val_loss` (> 0: the val loss of a
+    from-scratch run of this shape, e.g. `dvc exp show`'s) adds the fraction of its gap to the donor closed."""
+
+    prompts: list[str] = field(default_factory=lambda: ["The for statement", "A function definition", "Exceptions are"])
+    max_new_tokens: int = 40
+    temperature: float = 0.8
+    top_k: int = 40
+    seed: int = 0
+    baseline_val_loss: float = 0.0
+    llamacpp_windows: int = 4  # val windows llama.cpp runs for the parity check (0: off)
+    llamacpp_max_kl: float = 0.03  # mean KL(ours || llama.cpp) per token above which evaluate fails
+
+    def __post_init__(self) -> None:
+        positive(self.max_new_tokens, "evaluate.max_new_tokens")
+        at_least(self.llamacpp_windows, "evaluate.llamacpp_windows", 0, "use 0 to turn the llama.cpp check off")
+        positive(self.llamacpp_max_kl, "evaluate.llamacpp_max_kl")
+        at_least(self.baseline_val_loss, "evaluate.baseline_val_loss", 0, "use 0 for none")
+        positive(self.temperature, "evaluate.temperature")
+        at_least(self.top_k, "evaluate.top_k", 0, "use 0 for no top-k")
+
+
+@dataclass
+class ReportConfig:
+    """The report stage: how many of the newest evaluate runs in the MLflow experiment it compares this run with."""
+
+    compare_runs: int = 10
+
+    def __post_init__(self) -> None:
+        at_least(self.compare_runs, "report.compare_runs", 0, "use 0 for no comparison")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow experiment name; the store URI comes from MLFLOW_TRACKING_URI or the repo's mlflow.db."""
+
+    experiment: str = "smollm-pipeline"
+    enabled: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    """The whole composed config (`params.yaml`)."""
+
+    seed: int = 1337
+    data: DataConfig = field(default_factory=DataConfig)
+    donor: DonorConfig = field(default_factory=DonorConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output: str = "text"  # text | quiet | json (one JSON object with the stage's metrics on stdout)
+
+    def __post_init__(self) -> None:
+        choice(self.output, "output", ("text", "quiet", "json"))
+        if self.model.arch == "vit" or self.data.images:
+            self._check_images()
+            return
+        if self.recipe.finetune:  # the base GGUF fixes the context length; train checks against it
+            return
+        length_key = "data.max_seq_len" if self.data.source == "instruct" else "train.seq_len"
+        length = self.data.max_seq_len if self.data.source == "instruct" else self.train.seq_len
+        check(
+            length <= self.model.context_length,
+            length_key,
+            f"at most model.context_length={self.model.context_length}",
+            length,
+            f"lower {length_key} or raise model.context_length",
+        )
+        self.train.check_distill_context()
+
+    def _check_images(self) -> None:
+        """The ViT recipe: image data, a from-scratch model, patches that tile the image."""
+        check(
+            self.data.images,
+            "data.source",
+            "digits or images for model.arch=vit",
+            self.data.source,
+            "use data=digits or data=images data.path=dir/ (recipe=vit-tiny sets them)",
+        )
+        check(
+            self.model.arch == "vit",
+            "model.arch",
+            f"vit for image data (data.source={self.data.source})",
+            self.model.arch,
+            "use model=vit-tiny (recipe=vit-tiny sets it)",
+        )
+        check(
+            self.recipe.init == "scratch",
+            "recipe.init",
+            "scratch for model.arch=vit",
+            self.recipe.init,
+            "use recipe=vit-tiny",
+        )
+        patch = self.model.patch_size
+        check(
+            self.data.image_size % patch == 0,
+            "data.image_size",
+            f"a multiple of model.patch_size={patch}",
+            self.data.image_size,
+            f"set data.image_size={max(1, round(self.data.image_size / patch)) * patch} or a model.patch_size "
+            "that divides it",
+        )
+        check(
+            self.train.distill.weight == 0, "train.distill.weight", "0 for images", self.train.distill.weight, "set 0"
+        )

@@ -1,0 +1,130 @@
+"""The optimizer, its schedule, and the training loop's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.checks import at_least, check, choice, integer, positive
+
+PRECISIONS = ("bf16", "fp32")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "lbfgs")
+PARALLEL = ("ddp", "fsdp")
+DISTILL_MODES = ("cached", "online")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer (AdamW, or L-BFGS as llama.cpp's trainer had) and its learning-rate schedule
+    (linear warmup, cosine decay to a floor)."""
+
+    name: str = "adamw"  # adamw | lbfgs
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # floor of the cosine, as a fraction of lr
+    cycle_steps: int = 0  # >0: cosine restarts every cycle_steps after warmup
+    grad_clip: float = 1.0  # 0 disables clipping
+    lbfgs_history: int = 10  # L-BFGS: curvature pairs kept
+    lbfgs_max_iter: int = 1  # L-BFGS: iterations (on the same batch) per training step
+
+    def __post_init__(self) -> None:
+        choice(self.name, "optim.name", OPTIMIZERS)
+        for key in ("lr", "lbfgs_history", "lbfgs_max_iter", "eps"):
+            positive(getattr(self, key), f"optim.{key}")
+        check(0 <= self.beta1 < 1, "optim.beta1", "a value in [0, 1)", self.beta1, "use e.g. 0.9")
+        check(0 <= self.beta2 < 1, "optim.beta2", "a value in [0, 1)", self.beta2, "use e.g. 0.95")
+        at_least(self.weight_decay, "optim.weight_decay", 0, "use e.g. 0.1")
+        at_least(self.warmup_steps, "optim.warmup_steps", 0, "use e.g. 30")
+        check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio, "use 0.1")
+        at_least(self.cycle_steps, "optim.cycle_steps", 0, "use 0 for no restarts")
+        at_least(self.grad_clip, "optim.grad_clip", 0, "use 0 to disable")
+
+
+@dataclass
+class DistillConfig:
+    """Distillation from the donor: the loss is (1-weight)*CE(data) + weight*T^2*KL(teacher_T || student_T)
+    over the teacher's top-k tokens plus one bucket for the rest (`pipeline.models.ops.losses`).
+
+    `cached`: the teach stage stores the donor's top-k per train position once (`data/teach`), and
+    batches gather them; `online`: the donor runs on every batch (for corpora too big to cache).
+    """
+
+    weight: float = 0.0  # 0 = off (the teach stage then only records that it is off)
+    temperature: float = 1.0
+    top_k: int = 32  # at most the vocab; in cached mode at most the k the cache was made with
+    mode: str = "cached"  # cached | online
+    context: int = 512  # cached mode: the donor's window; every cached position sees >= train.seq_len tokens
+
+    def __post_init__(self) -> None:
+        check(0 <= self.weight <= 1, "train.distill.weight", "a value in [0, 1]", self.weight, "use 0 (off) to 1")
+        positive(self.temperature, "train.distill.temperature")
+        integer(self.top_k, "train.distill.top_k", 1, "use e.g. 32 (at most the vocab size)")
+        choice(self.mode, "train.distill.mode", DISTILL_MODES)
+        integer(self.context, "train.distill.context", 2, "use e.g. 512 (more than train.seq_len)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: steps, batch shape, precision, validation cadence."""
+
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
+    grad_accum: int = 1
+    precision: str = "bf16"  # bf16 autocast (default on CPU with AMX) | fp32
+    eval_every: int = 100
+    log_every: int = 10
+    max_epochs: float = 4.0  # warn when the steps pass over the train split more often than this (0: never)
+    epochs: float = 0.0  # > 0: size the run in passes over the train split (sets the step count); 0: use steps
+    keep_best: bool = True  # the weights written (and exported) are those of the lowest val loss, not the last
+    early_stop_patience: int = 0  # > 0: stop after this many evaluations without a new best val loss
+    device: str = "auto"
+    threads: int = 0  # 0: torch's default
+    compile: bool = False  # torch.compile the transformer blocks
+    activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
+    cuda_graph: bool = False  # on CUDA, token windows: replay each step as one CUDA graph (`training.graphed`)
+    fused_kernels: bool = True  # on CUDA with Triton: RMSNorm, RoPE, SwiGLU as Triton kernels (`models.fused`)
+    checkpoint_every: int = 100  # also always at the end; 0: only at the end
+    keep_checkpoints: int = 2  # newest K checkpoints kept per config
+    checkpoint_dir: str = "checkpoints"  # relative to the project root; outside DVC's outs so a crash keeps it
+    resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
+    skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
+    parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
+            positive(getattr(self, key), f"train.{key}")
+        check(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum, "use 1 for none")
+        choice(self.precision, "train.precision", PRECISIONS)
+        choice(self.device, "train.device", DEVICES)
+        at_least(self.threads, "train.threads", 0, "use 0 for torch's default")
+        at_least(self.max_epochs, "train.max_epochs", 0, "use 4, or 0 to never warn")
+        at_least(self.epochs, "train.epochs", 0, "use 0 to size the run by train.steps")
+        at_least(self.early_stop_patience, "train.early_stop_patience", 0, "use 0 to never stop early")
+        at_least(self.checkpoint_every, "train.checkpoint_every", 0, "use 0 to checkpoint only at the end")
+        check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
+        check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
+        choice(self.parallel, "train.parallel", PARALLEL)
+
+    def check_distill_context(self) -> None:
+        """Cached distillation's windows advance by context - seq_len, so the context must exceed seq_len.
+        Not in __post_init__: the composed config first bounds seq_len by model.context_length (the real
+        limit when seq_len is too large), then calls this; the teach stage and the loop call it too."""
+        d = self.distill
+        if d.enabled and d.mode == "cached":
+            check(
+                d.context > self.seq_len,
+                "train.distill.context",
+                f"more than train.seq_len={self.seq_len} (each cached position sees train.seq_len tokens before it)",
+                d.context,
+                f"set train.distill.context to e.g. {4 * self.seq_len}",
+            )

@@ -1,0 +1,118 @@
+"""The teacher-cache format (`data/teach/`): the one module that writes and reads it.
+
+`meta.json` says what the cache was made from (sha256 of the packed `train.bin`, the corpus and
+tokenizer fingerprints of the packed meta, the donor's sha256 from `data/inputs/donor.json`), how
+(top_k, context, vocab) and the donor's fp32 val loss. When a cache is kept (`mode: cached`),
+every position p of the train token stream has a row: the donor's top-k next-token ids after
+tokens[..p] (`ids.npy`, uint16 when the vocab fits, else int32), their full-softmax log-probs
+(`logprobs.npy`, float16, descending) and the log of the mass of every other token (`tail.npy`,
+float32). They are `.npy` files read back as read-only memmaps: batches gather their rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import DataError, problem
+from pipeline.io.files import write_json
+
+META_FILE = "meta.json"
+IDS_FILE = "ids.npy"
+LOGPROBS_FILE = "logprobs.npy"
+TAIL_FILE = "tail.npy"
+FIX = "run: dvc repro teach"
+
+
+@dataclass
+class TeachMeta:
+    """What `data/teach` holds and what it was made from."""
+
+    mode: str  # off (distillation off: nothing cached) | cached (the arrays are there) | online (no arrays)
+    top_k: int
+    context: int
+    seq_len: int  # train.seq_len: the context every cached position has at least, and the donor val loss's
+    vocab_size: int
+    positions: int  # rows of the arrays: the train split's tokens (0 when nothing is cached)
+    train_sha256: str
+    corpus_sha256: str
+    tokenizer_fingerprint: str
+    donor_sha256: str
+    donor_name: str
+    donor_val_loss: float | None = None  # fp32, over the val split's windows of seq_len (evaluate's)
+    donor_val_tokens: int = 0
+    val_sha256: str = ""  # the val split the donor val loss is of
+    precision: str = "bf16"  # what the donor ran in for the cache
+    seconds: float = 0.0
+
+    @property
+    def cached(self) -> bool:
+        return self.mode == "cached"
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.int32)
+
+
+def write_meta(out_dir: Path, meta: TeachMeta) -> None:
+    write_json(Path(out_dir) / META_FILE, asdict(meta))
+
+
+def read_meta(teach_dir: Path) -> TeachMeta:
+    """The cache's meta, with a named error when the teach stage has not run."""
+    path = Path(teach_dir) / META_FILE
+    if not path.is_file():
+        raise DataError(problem(str(path), "the teach stage's record", "no such file", FIX))
+    try:
+        return TeachMeta(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise DataError(problem(str(path), "a teach meta.json", f"unreadable ({e})", FIX)) from None
+
+
+def create_arrays(out_dir: Path, positions: int, top_k: int, vocab_size: int) -> tuple[np.memmap, ...]:
+    """Writable memmaps (ids, log-probs, tail) of `positions` rows in `out_dir` (a temp dir)."""
+    out = Path(out_dir)
+    shapes = ((IDS_FILE, ids_dtype(vocab_size), (positions, top_k)), (LOGPROBS_FILE, np.float16, (positions, top_k)))
+    arrays = [np.lib.format.open_memmap(out / n, mode="w+", dtype=d, shape=s) for n, d, s in shapes]
+    return *arrays, np.lib.format.open_memmap(out / TAIL_FILE, mode="w+", dtype=np.float32, shape=(positions,))
+
+
+class TeacherCache:
+    """The cached targets of a train split, as read-only memmaps (never loaded whole)."""
+
+    def __init__(self, teach_dir: Path):
+        self.dir = Path(teach_dir)
+        self.meta = read_meta(self.dir)
+        if not self.meta.cached:
+            raise DataError(
+                problem(
+                    str(self.dir / META_FILE),
+                    "a cache of the donor's top-k (mode cached)",
+                    f"mode {self.meta.mode} (made with distillation off or online)",
+                    "set train.distill.weight > 0 and train.distill.mode=cached, then " + FIX,
+                )
+            )
+        self.ids, self.logprobs, self.tail = (self._open(n) for n in (IDS_FILE, LOGPROBS_FILE, TAIL_FILE))
+
+    def _open(self, name: str) -> np.memmap:
+        path = self.dir / name
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(problem(str(path), "a teacher-cache array (.npy)", f"unreadable ({e})", FIX)) from None
+        if array.shape[0] != self.meta.positions:
+            raise DataError(problem(str(path), f"{self.meta.positions} rows", str(array.shape[0]), FIX))
+        return array
+
+    def gather(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids int64, log-probs float32, tail float32) of positions start..start+length-1 for each start:
+        (B, length, k), (B, length, k), (B, length)."""
+        rows = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
+        return (
+            self.ids[rows].astype(np.int64),
+            self.logprobs[rows].astype(np.float32),
+            self.tail[rows].astype(np.float32),
+        )

@@ -1,0 +1,225 @@
+"""The teach stage: the donor's next-token distribution over the train split, cached once for
+distillation (`pipeline.distill.cache` is the format), and the donor's fp32 val loss: the yardstick
+evaluate reports every student against.
+
+The donor reads the train stream in overlapping windows of `train.distill.context` tokens that
+advance by `context - train.seq_len`, and only the positions after the overlap are kept, so every
+cached position (past the first window) sees at least `train.seq_len` tokens before it: as much
+as a training window ever gives the student. It runs with bf16 weights (1.5-2.6x faster than
+autocast over fp32 weights on this CPU; measured, see README), the softmax in fp32.
+
+With distillation off (`train.distill.weight=0`) the stage only measures the donor's val loss (a
+few seconds; none for instruction rows) and records `mode: off`; in online mode it records the
+fingerprints and the donor's val loss but caches nothing. Instruction rows have no token stream to
+cache: distillation on them is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import TrainConfig
+from pipeline.data.packed import PackMeta, data_files, load_meta, load_split
+from pipeline.distill.cache import TeachMeta, create_arrays, write_meta
+from pipeline.donor.load import load_donor
+from pipeline.errors import ConfigError, DataError, problem
+from pipeline.io.files import atomic_dir, sha256_file
+from pipeline.models.ops.losses import head_targets
+from pipeline.models.registry import gguf_context_length
+from pipeline.models.transformer import DecoderLM
+from pipeline.training.batches import check_split_fits
+from pipeline.training.validation import evaluate_loss
+
+log = logging.getLogger(__name__)
+WINDOW_TOKENS = 2048  # donor tokens per forward: enough rows for the bf16 matmuls to run at speed
+VAL_BATCH = 8  # windows per validation forward (the windows themselves are evaluate's)
+
+
+def teacher_windows(n: int, context: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(start, keep_from, end) of the donor's windows over `n` tokens: each window is tokens
+    start..end-1 and keeps positions keep_from..end-1; the kept ranges tile 0..n-1 in order, and
+    every kept position p past the first window has p - start >= seq_len tokens before it."""
+    if n <= context:
+        return [(0, 0, n)]
+    windows, kept = [(0, 0, context)], context
+    while kept < n:
+        end = min(kept + context - seq_len, n)
+        windows.append((end - context, kept, end))
+        kept = end
+    return windows
+
+
+def _groups(windows: list[tuple[int, int, int]], per_batch: int) -> Iterator[list[tuple[int, int, int]]]:
+    for i in range(0, len(windows), per_batch):
+        yield windows[i : i + per_batch]
+
+
+def check_teach(tcfg: TrainConfig, meta: PackMeta, context_length: int) -> None:
+    """What the donor and the packed data must allow for the configured distillation."""
+    d = tcfg.distill
+    limits = [("train.distill.top_k", d.top_k, meta.vocab_size, "the vocab size"), seq_len_limit(tcfg, context_length)]
+    if d.mode == "cached":
+        limits.append(("train.distill.context", d.context, context_length, "the donor's context_length"))
+    check_limits(limits)
+    tcfg.check_distill_context()
+
+
+def seq_len_limit(tcfg: TrainConfig, context_length: int) -> tuple[str, int, int, str]:
+    """The donor's val loss is measured over windows of train.seq_len: the donor must see that many."""
+    return ("train.seq_len", tcfg.seq_len, context_length, "the donor's context_length")
+
+
+def check_limits(limits: list[tuple[str, int, int, str]]) -> None:
+    """Each (key, value, limit, what the limit is) with value > limit is a one-line ConfigError."""
+    for key, value, limit, what in limits:
+        if value > limit:
+            fix = f"set {key}<={limit}"
+            raise ConfigError(problem(f"config key {key}", f"at most {what}={limit}", str(value), fix))
+
+
+@torch.no_grad()
+def build_cache(
+    model: DecoderLM,
+    tokens: np.ndarray,
+    arrays: tuple[np.ndarray, ...],
+    tcfg: TrainConfig,
+    device: torch.device,
+    progress: bool = True,
+) -> None:
+    """Fill (ids, log-probs, tail) for every position of `tokens` with the donor's top-k."""
+    d = tcfg.distill
+    windows = teacher_windows(len(tokens), d.context, tcfg.seq_len)
+    per_batch = max(1, WINDOW_TOKENS // d.context)
+    ids_out, logp_out, tail_out = arrays
+    weight = model.head_weight()
+    with tqdm(total=len(tokens), desc="teach", unit="tok", disable=not progress, dynamic_ncols=True) as bar:
+        for group in _groups(windows, per_batch):
+            x = torch.from_numpy(np.stack([np.asarray(tokens[s:e], dtype=np.int64) for s, _, e in group])).to(device)
+            h = model.hidden(x)
+            rows = torch.cat([h[i, keep - s :] for i, (s, keep, _) in enumerate(group)])
+            ids, logp, tail = (t.cpu().numpy() for t in head_targets(rows, weight, d.top_k))
+            lo, hi = group[0][1], group[-1][2]
+            ids_out[lo:hi], logp_out[lo:hi], tail_out[lo:hi] = ids, logp, tail
+            bar.update(hi - lo)
+
+
+def run_teach(
+    donor: Path,
+    donor_record: dict[str, Any],
+    packed_dir: Path,
+    out_dir: Path,
+    tcfg: TrainConfig,
+    device: torch.device,
+    progress: bool = True,
+    precision: str = "bf16",
+) -> tuple[TeachMeta, dict[str, float]]:
+    """Write `out_dir` (atomically): the meta, and the cache when distillation is on in cached mode."""
+    start = time.perf_counter()
+    pmeta = load_meta(packed_dir)
+    meta = _new_meta(tcfg, pmeta, packed_dir, donor_record, precision)
+    if meta.mode == "off":
+        return meta, _record_off(donor, packed_dir, out_dir, tcfg, device, meta, pmeta, start)
+    if pmeta.format != "tokens":
+        raise DataError(
+            problem(
+                str(packed_dir),
+                "a token corpus (train.bin) for distillation",
+                f"instruction rows (data.source={pmeta.source})",
+                "set train.distill.weight=0, or distil on text data",
+            )
+        )
+    check_teach(tcfg, pmeta, gguf_context_length(donor))  # before the donor's weights load
+    model = load_donor(donor, pmeta.vocab_size).to(device)
+    _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
+    cache_start, top_k_mass = time.perf_counter(), None
+    with atomic_dir(out_dir) as tmp:
+        if meta.cached:
+            tokens = load_split(packed_dir, "train")
+            meta.positions = len(tokens)
+            arrays = create_arrays(tmp, len(tokens), meta.top_k, pmeta.vocab_size)
+            build_cache(
+                model.to(torch.bfloat16) if precision == "bf16" else model, tokens, arrays, tcfg, device, progress
+            )
+            for a in arrays:
+                a.flush()
+            top_k_mass = float(1.0 - np.exp(arrays[2].astype(np.float64)).mean())
+            del arrays
+        meta.seconds = time.perf_counter() - start
+        write_meta(tmp, meta)
+    return meta, _metrics(meta, time.perf_counter() - cache_start, top_k_mass)
+
+
+def _record_off(
+    donor: Path,
+    packed_dir: Path,
+    out_dir: Path,
+    tcfg: TrainConfig,
+    device: torch.device,
+    meta: TeachMeta,
+    pmeta: PackMeta,
+    start: float,
+) -> dict[str, float]:
+    """Distillation off: the meta with the donor's val loss (token corpora only), no cache."""
+    metrics = {"cached_positions": 0.0}
+    if pmeta.format == "tokens":
+        check_limits([seq_len_limit(tcfg, gguf_context_length(donor))])  # before the donor's weights load
+        model = load_donor(donor, pmeta.vocab_size).to(device)
+        _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
+        metrics["donor_val_loss"] = float(meta.donor_val_loss)
+    meta.seconds = time.perf_counter() - start
+    with atomic_dir(out_dir) as tmp:
+        write_meta(tmp, meta)
+    return {**metrics, "seconds": meta.seconds}
+
+
+def _new_meta(
+    tcfg: TrainConfig, pmeta: PackMeta, packed_dir: Path, donor_record: dict[str, Any], precision: str
+) -> TeachMeta:
+    """The record's fingerprints and settings, before anything is measured or cached."""
+    d = tcfg.distill
+    return TeachMeta(
+        mode="off" if not d.enabled else d.mode,
+        top_k=d.top_k,
+        context=d.context,
+        seq_len=tcfg.seq_len,
+        vocab_size=pmeta.vocab_size,
+        positions=0,
+        train_sha256=sha256_file(data_files(packed_dir)[1]),
+        corpus_sha256=pmeta.corpus_sha256,
+        tokenizer_fingerprint=pmeta.tokenizer_fingerprint,
+        donor_sha256=donor_record["file"]["sha256"],
+        donor_name=donor_record["file"]["name"],
+        precision=precision,
+    )
+
+
+def _measure_donor(model: DecoderLM, packed_dir: Path, seq_len: int, device: torch.device, meta: TeachMeta) -> None:
+    """The donor's fp32 val loss over evaluate's windows (the weights are still fp32 here), into `meta`."""
+    val = load_split(packed_dir, "val")
+    check_split_fits(len(val), "val", 1, seq_len)
+    meta.donor_val_loss = evaluate_loss(model, val, seq_len, VAL_BATCH, device)
+    meta.donor_val_tokens = (len(val) - 1) // seq_len * seq_len
+    meta.val_sha256 = sha256_file(data_files(packed_dir)[2])
+    log.info(f"teach: donor val loss {meta.donor_val_loss:.4f} (fp32, windows of {seq_len})")
+
+
+def _metrics(meta: TeachMeta, cache_seconds: float, top_k_mass: float | None) -> dict[str, float]:
+    metrics = {k: float(v) for k, v in asdict(meta).items() if k in ("positions", "donor_val_loss", "seconds")}
+    metrics["donor_val_ppl"] = float(np.exp(meta.donor_val_loss))
+    if top_k_mass is not None:
+        metrics.update(
+            cached_positions=float(meta.positions),
+            cache_seconds=cache_seconds,
+            cache_tokens_per_second=meta.positions / max(cache_seconds, 1e-9),
+            top_k_mass=top_k_mass,  # the donor's mean probability on its own top-k
+        )
+    return metrics

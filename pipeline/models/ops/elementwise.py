@@ -1,0 +1,126 @@
+"""llama's elementwise layers as autograd Functions that keep only what backward needs (RMSNorm,
+RoPE, SwiGLU: autograd's own graphs of their fp32 ops kept 2-3 fp32 copies per op), their tables,
+and the one dispatch between these and the Triton kernels of `fused` (CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.models.devices import to_device
+from pipeline.models.ops import fused
+from pipeline.models.transformer import TransformerConfig
+
+
+def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype`, itself when it is that already. An autograd.Function's forward must not end in a
+    cast that does nothing (`.to` / `.float()` of a tensor of that dtype): under torch.compile in torch
+    2.11 its inputs then get zero gradients (2.6, 2.12 and 2.13 are right; `tests/test_model.py` checks)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class RMSNormFn(torch.autograd.Function):
+    """RMSNorm keeping only its input and one scale per row for backward (autograd's own graph of the
+    fp32 ops kept three fp32 copies of each row: a quarter of a LoRA step's activation memory)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return in_dtype(xf * rstd * weight.float(), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat, g = x.float() * rstd, grad.float()
+        gw = g * weight.float()
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.to(x.dtype), dw, None
+
+
+def inverse_frequencies(cfg: TransformerConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's (head_dim/2,) fp32 angular frequencies: base^(-2i/d), divided by llama.cpp's freq_factors if any."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
+    if cfg.rope_freq_factors:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
+        factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq / to_device(factors, device)
+    return inv_freq
+
+
+def rope_tables(
+    cfg: TransformerConfig, seq_len: int, device: torch.device, inv_freq: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim/2), in fp32 (`inv_freq`: `inverse_frequencies`, when kept)."""
+    inv_freq = inverse_frequencies(cfg, device) if inv_freq is None else inv_freq
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return in_dtype(out.flatten(-2), x.dtype)
+
+
+class RopeFn(torch.autograd.Function):
+    """The rotation's backward is the rotation by the opposite angles: nothing but the tables is kept
+    (autograd's graph of the fp32 ops kept two fp32 copies of q and of k)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x0,x1),(x2,x3)...; x is (B, H, T, D), cos/sin (T, D/2) in fp32."""
+    return RopeFn.apply(x, cos, sin)
+
+
+class SwiGLUFn(torch.autograd.Function):
+    """silu(g) * u keeping only g and u for backward (autograd's graph also kept silu(g): a third of
+    the feed-forward's activation memory)."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u = ctx.saved_tensors
+        gf, sig = g.float(), torch.sigmoid(g.float())
+        grad_u = (grad.float() * gf * sig).to(u.dtype)
+        grad_g = (grad.float() * u.float() * sig * (1 + gf * (1 - sig))).to(g.dtype)
+        return grad_g, grad_u
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_fused: bool = True) -> torch.Tensor:
+    """RMSNorm in fp32 whatever the autocast dtype; the Triton kernels where `fused` wants them."""
+    if fused.wanted(use_fused, x, weight):
+        return fused.rms_norm(x, weight, eps)
+    return RMSNormFn.apply(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
+    """`apply_rope`, through its Triton kernel where `fused` wants it and the tables fit."""
+    if fused.wanted(use_fused, x, cos, sin) and fused.rope_fits(x, cos, sin):
+        return fused.rope(x, cos, sin)
+    return apply_rope(x, cos, sin)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
+    """silu(g) * u, through its Triton kernel where `fused` wants it."""
+    if fused.wanted(use_fused, g, u) and g.dtype == u.dtype and g.shape == u.shape:
+        return fused.swiglu(g, u)
+    return SwiGLUFn.apply(g, u)

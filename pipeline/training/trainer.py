@@ -1,0 +1,125 @@
+"""The train stage: the realized model directory and the packed data in, the trained model
+directory (weights, optimizer state, `train_state.json`) out, through the one training loop."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.config import OptimConfig, TrainConfig
+from pipeline.data.packed import load_data, load_meta
+from pipeline.distill.cache import TeacherCache
+from pipeline.donor.load import load_donor
+from pipeline.errors import ConfigError, problem
+from pipeline.finetune.model import prepare_training
+from pipeline.io.files import atomic_dir
+from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.training import distributed as dist
+from pipeline.training.batches import steps_for_epochs
+from pipeline.training.loop import Hooks, TrainResult, train
+from pipeline.training.resume import CheckpointPlan
+
+log = logging.getLogger(__name__)
+
+
+def sized(tcfg: TrainConfig, packed_dir: Path) -> TrainConfig:
+    """`train.epochs` > 0 turns into the step count those passes over the train split take."""
+    if tcfg.epochs <= 0:
+        return tcfg
+    steps = steps_for_epochs(load_data(packed_dir, "train"), tcfg)
+    log.info(f"train: train.epochs={tcfg.epochs:g} passes over the train split = {steps} steps (train.steps ignored)")
+    return replace(tcfg, steps=steps)
+
+
+@dataclass
+class TrainJob:
+    """What one execution of the train stage works on."""
+
+    init_dir: Path  # the realized model directory
+    packed_dir: Path  # the packed data
+    out_dir: Path  # written by the main rank only
+    train: TrainConfig
+    optim: OptimConfig
+    seed: int
+    plan: CheckpointPlan | None = None  # checkpoints and resume (`training.resume.plan_checkpoints`)
+    teach_dir: Path | None = None  # the teacher with train.distill.mode=cached: the teach stage's cache
+    donor: Path | None = None  # the teacher with train.distill.mode=online: the donor GGUF
+    progress: bool = True  # a progress display on the main rank (off for quiet/json output)
+
+
+def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
+    """Train the model of `job.init_dir` on `job.packed_dir` and write the trained model directory."""
+    tcfg = job.train
+    model, vocab = load_for_training(job.init_dir, job.packed_dir, tcfg)
+    hooks = hooks or Hooks()
+    bits = load_meta(job.packed_dir).bits_per_token("val")
+    try:
+        data = load_data(job.packed_dir, "train"), load_data(job.packed_dir, "val")
+        teacher = load_teacher(tcfg, job.teach_dir, job.donor, vocab)
+        result = train(model, *data, tcfg, job.optim, job.seed, hooks, job.plan, job.progress, teacher, bits)
+    finally:
+        dist.teardown(dist.env_info())
+    if result.weights is None:
+        return result
+    state = TrainState(
+        steps=result.steps,
+        tokens_seen=result.tokens_seen,
+        final_train_loss=result.final_train_loss,
+        final_val_loss=result.final_val_loss,
+        seq_len=tcfg.seq_len,
+        batch_size=tcfg.batch_size,
+        mlflow_run_id=hooks.run_id,
+        resumed_from=result.resumed_from,
+        skipped_steps=result.skipped_steps,
+        checkpoint=result.checkpoint,
+        world_size=dist.env_info().world_size,
+        initial_val_loss=result.initial_val_loss,
+        history=result.history,
+        kept_step=result.kept_step,
+        kept_val_loss=result.kept_val_loss,
+        stopped_early=result.stopped_early,
+    )
+    spec = read_spec(job.init_dir) if is_finetune_dir(job.init_dir) else None
+    with atomic_dir(job.out_dir) as tmp:
+        save_model_dir(tmp, model, result.weights, spec, optimizer_state=result.optimizer_state, train_state=state)
+    return result
+
+
+def load_for_training(init_dir: Path, packed_dir: Path, tcfg: TrainConfig) -> tuple[nn.Module, int]:
+    """The model realize wrote, ready for this run's precision, and the data's vocabulary (or classes)."""
+    model = load_model_dir(init_dir)
+    if is_finetune_dir(init_dir):
+        prepare_training(model, read_spec(init_dir).mode, torch.bfloat16 if tcfg.precision == "bf16" else torch.float32)
+    meta = load_meta(packed_dir)
+    key = "n_classes" if meta.format == "images" else "vocab_size"
+    vocab = getattr(meta, key)  # the size of the model's output: tokens, or classes
+    if vocab != getattr(model.cfg, key):
+        raise ConfigError(
+            problem(
+                str(Path(init_dir) / CONFIG_FILE),
+                f"{key} {vocab} (packed data)",
+                str(getattr(model.cfg, key)),
+                "re-run realize after pack",
+            )
+        )
+    return model, vocab
+
+
+def load_teacher(
+    tcfg: TrainConfig, teach_dir: Path | None, donor: Path | None, vocab: int
+) -> TeacherCache | nn.Module | None:
+    """What distillation learns from: the teach stage's cache, or the donor itself (online; with bf16
+    weights when training runs in bf16, as the cache was made); None when distillation is off."""
+    d = tcfg.distill
+    if not d.enabled:
+        return None
+    if d.mode == "cached":
+        return None if teach_dir is None else TeacherCache(teach_dir)
+    if donor is None:
+        return None  # the loop names what is missing
+    model = load_donor(donor, vocab)
+    return model.to(torch.bfloat16) if tcfg.precision == "bf16" else model
