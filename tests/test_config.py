@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -126,7 +127,8 @@ def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
     [
         ("optim.lrr=1", "error: config key optim.lrr: expected a key of the config"),
         ("recipe=lorra", "error: config group recipe: expected one of distill, from-scratch, full-finetune, lora"),
-        ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2'"),
+        ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2': expected a value in Hydra's override syntax"),
+        ("dir/corpus.txt", "error: config override 'dir/corpus.txt': expected key=value, found no '='"),
         (  # OmegaConf said "Key 'lrr' not in 'OptimConfig'": no expected/found, no key to use
             "+optim.lrr=1",
             "error: config key optim.lrr: expected a key of the config, found none of that name "
@@ -145,6 +147,29 @@ def test_hydras_own_refusals_are_one_named_line_and_exit_2(override: str, start:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), proc.stderr
     assert "fix:" in lines[0]
+
+
+def test_an_empty_donor_path_is_named_as_such() -> None:
+    """`donor.path=''` said "expected a GGUF file, found a directory" and named the working folder."""
+    with pytest.raises(ConfigError, match=r"^config key donor.path: expected a GGUF file, or smollm2 .*found ''"):
+        typed_config(compose_config(["donor.path=''"]))
+
+
+def test_a_path_with_non_ascii_letters_works_unquoted(tmp_path: Path) -> None:
+    """Hydra's override grammar refuses `data.path=/data/ünïcödé/cörpus.txt` unquoted; the entry point
+    quotes such a value for it, so a user with an accented folder name runs the pipeline as anyone else."""
+    from stages._run.exits import quoted_non_ascii
+
+    folder = tmp_path / "ünïcödé"
+    folder.mkdir()
+    (folder / "cörpus.txt").write_text("Bonjour à tous.\n---\nUn deuxième document.\n")
+    assert quoted_non_ascii("data.path=/a/é") == "data.path='/a/é'" and quoted_non_ascii("a=1,é") == "a=1,é"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "stages.inputs", "data=text", f"data.path={folder / 'cörpus.txt'}", "output=quiet"]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "data" / "inputs" / "corpus.json").read_text())
+    assert record["path"] == str(folder / "cörpus.txt") and [f["name"] for f in record["files"]] == ["cörpus.txt"]
 
 
 def test_multiruns_started_in_the_same_second_get_sweep_dirs_of_their_own() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,30 @@ def test_repro_runs_every_stage(project: Path, first_repro: str) -> None:
     report = (project / "reports" / "report.md").read_text()
     assert f"| val_bpb | {evaluate['val_bpb']:.4f} |" in report and "(this run)" in report
     assert (project / "reports" / "report.html").read_text().count('src="data:image/png;base64,') >= 4
+
+
+def test_progress_under_dvc_is_plain_lines_not_redraws(first_repro: str) -> None:
+    """Without a terminal a stage printed a tqdm redraw per step (~1,200 carriage returns on one line of
+    the train stage's log); now it is a plain line each tenth of the work (or every 30 s)."""
+    assert "\r" not in first_repro
+    assert re.search(r"^train: (\d+)/\1 steps \(100%\), [\d.,]+ steps/s, ", first_repro, re.M), first_repro[-2000:]
+
+
+def test_a_failed_evaluate_changes_none_of_its_outputs(project: Path, first_repro: str) -> None:
+    """evaluate on a truncated export rewrote plots/evaluate/confusion.csv before it failed."""
+    gguf = project / "models" / "export" / "model.gguf"
+    outputs = [project / "plots" / "evaluate" / "confusion.csv", project / "metrics" / "evaluate.json"]
+    outputs += [project / "models" / "evaluate" / "samples.json"]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in outputs}
+    whole = gguf.read_bytes()
+    try:
+        gguf.write_bytes(whole[: len(whole) // 2])
+        proc = run(project, sys.executable, "-m", "stages.evaluate", "--config-dir", ".", "--config-name", "params")
+    finally:
+        gguf.write_bytes(whole)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "model.gguf" in errors[0], proc.stderr[-2000:]
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in outputs} == before
 
 
 def test_second_repro_does_nothing(project: Path, first_repro: str) -> None:
@@ -207,6 +232,26 @@ def test_parallel_jobs_on_a_fresh_store_make_one_parent_and_lose_nothing(project
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     for r in children:
         assert [m.step for m in client.get_metric_history(r.info.run_id, "loss/train")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sweep_through_the_submitit_launcher_runs_each_job_in_a_process_and_dir_of_its_own(
+    project: Path, first_repro: str
+) -> None:
+    """The scale-out path of docs/training.md, run: `hydra/launcher=submitit_local` is the submitit plugin's own
+    executor on this machine (`submitit_slurm` differs only in where the jobs run), so moving a sweep to a
+    cluster changes one launcher line. One MLflow parent, a child per job, each job's outputs in its own dir."""
+    sweep = project / "multirun" / "submitit"
+    args = ["-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=15", f"hydra.sweep.dir={sweep}"]
+    sh(project, sys.executable, "-m", "stages.train", *args, "optim.lr=0.002,0.005", timeout=900)
+    _, runs = mlflow_runs(project)
+    mine = str(sweep.resolve())
+    parents = [r for r in runs if r.data.tags.get("sweep_dir") == mine and r.data.tags.get("parent") == "true"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.data.params["optim.lr"] for r in children) == ["0.002", "0.005"]
+    for job in ("0", "1"):
+        assert (sweep / job / "train" / "model.safetensors").is_file()
+        assert json.loads((sweep / job / "metrics.json").read_text())["final_val_loss"] > 0
 
 
 def test_queued_experiments_log_to_the_project_store_and_compare(project: Path, first_repro: str) -> None:

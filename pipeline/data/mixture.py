@@ -24,7 +24,6 @@ from itertools import count
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import CorpusHash, Document, iter_documents
@@ -32,6 +31,7 @@ from pipeline.data.packed import SPLITS, PackMeta, ids_dtype, write_meta
 from pipeline.data.text import batches, data_record, pack_metrics, resolve_add_bos, wrap_ids
 from pipeline.errors import DataError, PipelineError, problem
 from pipeline.io.files import atomic_dir
+from pipeline.progress import Progress
 from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -107,7 +107,7 @@ def pack_mixture(
     train = np.zeros(len(sources))
     done: set[int] = set()
     digest, seen = CorpusHash(), np.zeros(tok.vocab_size, dtype=bool)
-    bar = tqdm(desc="pack mix", unit="doc", disable=not progress, dynamic_ncols=True)
+    bar = Progress("pack mix", unit="doc", enabled=progress)
     with atomic_dir(out_dir) as tmp, (tmp / "train.bin").open("wb") as tr, (tmp / "val.bin").open("wb") as va, bar:
         for step in count():
             i = min(active, key=lambda j: (train[j] / weights[j], j))
@@ -136,9 +136,7 @@ def pack_mixture(
             train[i] += 0 if is_val else ids.size
             bar.update(1)
             if step % 1000 == 0:
-                bar.set_postfix_str(
-                    f"{train.sum() / max(bar.format_dict['elapsed'], 1e-9):,.0f} train tok/s", refresh=False
-                )
+                bar.note(f"{train.sum() / max(bar.elapsed, 1e-9):,.0f} train tok/s")
         meta = mixture_meta(cfg, tok, sources, digest.hexdigest(), bos, eos, int(seen.sum()))
         write_meta(tmp, meta)
     metrics = pack_metrics(meta, time.perf_counter() - start)

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from pipeline.config import DataConfig
 from pipeline.config.data_schema import HOW_KEYS
@@ -31,6 +30,7 @@ from pipeline.data.packed import REPACK, SPLITS, PackMeta, ids_dtype, write_meta
 from pipeline.data.split import split_indices, val_mask
 from pipeline.errors import DataError, problem
 from pipeline.io.files import atomic_dir
+from pipeline.progress import Progress
 from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 BATCH_DOCS = 1000  # documents per encode_batch call
@@ -116,7 +116,7 @@ class Counts:
 
 
 def stream_tokens(
-    docs: Iterable[Document], tok: GGUFTokenizer, bos: int | None, eos: int | None, out: BinaryIO, bar: tqdm
+    docs: Iterable[Document], tok: GGUFTokenizer, bos: int | None, eos: int | None, out: BinaryIO, bar: Progress
 ) -> Counts:
     """Tokenize `docs` batch by batch into `out` (corpus order); batch k+1 tokenizes while k is written."""
     counts = Counts(tok.vocab_size)
@@ -130,8 +130,8 @@ def stream_tokens(
                 ids, lens = wrap_ids(future.result(), bos, eos, dtype)
                 out.write(ids.tobytes())
                 counts.add(done, ids, lens)
+                bar.note(f"{counts.total / max(bar.elapsed, 1e-9):,.0f} tok/s")
                 bar.update(len(done))
-                bar.set_postfix_str(f"{counts.total / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s", refresh=False)
             pending = ahead
     return counts
 
@@ -173,7 +173,7 @@ def tokenize_to(
     """Every document's ids, wrapped as configured, appended to `path` in corpus order; (counts, bos, eos)."""
     bos = tok.bos_id if resolve_add_bos(cfg.add_bos, tok) else None
     eos = tok.eos_id if cfg.add_eos else None
-    bar = tqdm(desc="pack", unit="doc", disable=not progress, dynamic_ncols=True)
+    bar = Progress("pack", unit="doc", enabled=progress)
     with path.open("wb") as out, bar:
         return stream_tokens(docs, tok, bos, eos, out, bar), bos, eos
 

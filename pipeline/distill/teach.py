@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from pipeline.config import TrainConfig
 from pipeline.data.packed import PackMeta, data_files, load_meta, load_split
@@ -36,6 +35,7 @@ from pipeline.io.files import atomic_dir, sha256_file
 from pipeline.models.ops.losses import head_targets
 from pipeline.models.registry import gguf_context_length
 from pipeline.models.transformer import DecoderLM
+from pipeline.progress import Progress
 from pipeline.training.batches import check_split_fits
 from pipeline.training.validation import evaluate_loss
 
@@ -101,7 +101,7 @@ def build_cache(
     per_batch = max(1, WINDOW_TOKENS // d.context)
     ids_out, logp_out, tail_out = arrays
     weight = model.head_weight()
-    with tqdm(total=len(tokens), desc="teach", unit="tok", disable=not progress, dynamic_ncols=True) as bar:
+    with Progress("teach", total=len(tokens), unit="tok", enabled=progress) as bar:
         for group in _groups(windows, per_batch):
             x = torch.from_numpy(np.stack([np.asarray(tokens[s:e], dtype=np.int64) for s, _, e in group])).to(device)
             h = model.hidden(x)

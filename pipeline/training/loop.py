@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
@@ -28,6 +27,7 @@ from pipeline.distill.cache import TeacherCache
 from pipeline.errors import NonFiniteError
 from pipeline.models.devices import to_device
 from pipeline.models.ops.losses import IGNORE_INDEX
+from pipeline.progress import Progress
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
@@ -122,8 +122,7 @@ def train(
         run.state.initial_val_loss = run.validate()["val_loss"]
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
     start = run.state.step
-    show = progress and run.info.is_main
-    bar = tqdm(total=tcfg.steps, initial=start, desc="train", disable=not show, dynamic_ncols=True)
+    bar = Progress("train", total=tcfg.steps, unit="steps", enabled=progress and run.info.is_main, initial=start)
     # packed rows change size every step (only real tokens are computed); token windows do not
     heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None
     with stop_on_signals() as asked:
@@ -132,9 +131,9 @@ def train(
             run.record(step, row, epoch_end)
             if heap is not None:
                 heap.after_step()
-            bar.update(1)
             if isinstance(row["train_loss"], float):  # read already (a queued step's is read when logged)
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", lr=f"{row['lr']:.2e}")
+                bar.note(f"loss={row['train_loss']:.3f}, lr={row['lr']:.2e}")
+            bar.update(1)
             stop = run.stop_agreed(bool(asked))
             run.checkpoint_if_due(stop or run.state.stopped_early)
             if stop:

@@ -37,7 +37,7 @@ def entry(main: Callable[[], Any]) -> None:
     option, override syntax) end like ours: one `error:` line and exit 2, not Hydra's multi-line
     report and exit 1. Bugs still raise with their traceback."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra re-raises instead of printing and exiting 1
-    sys.argv[1:] = sweep_dir_args(sys.argv[1:])
+    sys.argv[1:] = sweep_dir_args([quoted_non_ascii(a) for a in sys.argv[1:]])
     try:
         main()
     except HydraException as e:
@@ -51,6 +51,36 @@ def sweep_dir_args(argv: list[str]) -> list[str]:
     if not {"-m", "--multirun"} & set(argv) or any(a.lstrip("+~").startswith("hydra.sweep.dir=") for a in argv):
         return argv
     return [*argv, f"hydra.sweep.dir={SWEEP_DIR}"]
+
+
+def quoted_non_ascii(arg: str) -> str:
+    """`key=value` with the value in quotes when it holds a character outside ASCII (an accented folder
+    name): Hydra's override grammar refuses those unquoted. Sweeps (commas), lists, dicts, values already
+    quoted and values with quotes or backslashes are left as they are."""
+    key, eq, value = arg.partition("=")
+    if not eq or value.isascii() or not re.fullmatch(r"[+~]{0,2}[\w.@/-]+", key):
+        return arg
+    if any(c in value for c in "'\"\\,[]{}()") or value[:1] in "'\"":
+        return arg
+    return f"{key}='{value}'"
+
+
+def override_message(e: OverrideParseException) -> str:
+    """An override Hydra could not parse: what it expected, what the parser found, and the quoting that fixes it."""
+    override = e.override or ""
+    key, eq, value = override.partition("=")
+    found = " ".join(str(e.__cause__ or e).split()).split(" See https://")[0][:160]
+    if not eq:
+        return (
+            f"config override '{override}': expected key=value, found no '=' (a value with spaces that the shell "
+            "split into two words?); fix: quote the whole override for the shell, e.g. 'data.path=my dir/corpus.txt'"
+        )
+    shown = value.replace("\\", "\\\\").replace("'", "\\'")
+    return (
+        f"config override '{override}': expected a value in Hydra's override syntax (unquoted: letters, digits "
+        f"and /-_.:+*@?; lists in [..]), found {found}; fix: quote the value for Hydra and the shell, "
+        f"e.g. \"{key}='{shown}'\" (or close the brackets of a list)"
+    )
 
 
 def hydra_message(e: HydraException) -> str:
@@ -74,6 +104,7 @@ def hydra_message(e: HydraException) -> str:
             f"(a composed file such as params.yaml); fix: drop --config-dir/--config-name to pick {name}=..., "
             f"or set its keys one by one ({name}.key=value)"
         )
-    where = f"config override '{e.override}'" if isinstance(e, OverrideParseException) else "config override"
+    if isinstance(e, OverrideParseException):
+        return override_message(e)
     detail = f"{found} ({cause})" if cause else found
-    return f"{where}: {detail}; fix: quote values with spaces, commas or brackets"
+    return f"config override: {detail}; fix: quote values with spaces, commas or brackets"
