@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:  `make repro` (the default pipeline) and `make test`.
-# Both set up .venv first if needed. TORCH / TORCH_INDEX select the torch build (README: Two commands).
+# Both set up .venv first if needed. TORCH / TORCH_INDEX select the torch build (docs/install.md).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0

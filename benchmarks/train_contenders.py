@@ -3,7 +3,7 @@ another (on a GPU they would not all fit comfortably together, and each one's pe
 own), with the same step as the CPU comparison: bf16 autocast forward + loss, backward, grad-norm clip
 1.0, fused AdamW (`make_optimizer`), zero_grad.
 
-Contenders: `ours` (`Llama.loss`; on CUDA with the Triton kernels of `models.fused`), `ours-plain` (the
+Contenders: `ours` (`Llama.loss`; on CUDA with the Triton kernels of `models.ops.fused`), `ours-plain` (the
 same with them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (`compile_blocks`, i.e.
 train.compile=true), `ours-graph` (forward, backward and clip replayed as one CUDA graph, i.e.
 train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa attention, its own loss),

@@ -1,4 +1,4 @@
-"""What lets evaluate hold one model at a time (README "Fine-tuning", the per-stage peak RSS table):
+"""What lets evaluate hold one model at a time (docs/finetuning.md, "Peak memory per stage"):
 a loaded GGUF's mapped pages can be dropped, and llama.cpp's parity can be computed from logits
 kept after our model is freed, a slice of positions at a time, with the same numbers as before."""
 

@@ -16,7 +16,7 @@ FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: se
 
 @dataclass
 class ModelConfig:
-    """Model hyper-parameters; the realized architecture (`models.base.TransformerConfig`) adds the
+    """Model hyper-parameters; the realized architecture (`models.transformer.TransformerConfig`) adds the
     vocabulary (from the tokenizer) and what the recipe derives (donor width, RoPE factors).
 
     `arch` is llama, gpt2 or vit; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE

@@ -91,7 +91,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the transformer blocks
     activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
     cuda_graph: bool = False  # on CUDA, token windows: replay each step as one CUDA graph (`training.graphed`)
-    fused_kernels: bool = True  # on CUDA with Triton: RMSNorm, RoPE, SwiGLU as Triton kernels (`models.fused`)
+    fused_kernels: bool = True  # on CUDA with Triton: RMSNorm, RoPE, SwiGLU as Triton kernels (`models.ops.fused`)
     checkpoint_every: int = 100  # also always at the end; 0: only at the end
     keep_checkpoints: int = 2  # newest K checkpoints kept per config
     checkpoint_dir: str = "checkpoints"  # relative to the project root; outside DVC's outs so a crash keeps it

@@ -6,7 +6,7 @@ The donor reads the train stream in overlapping windows of `train.distill.contex
 advance by `context - train.seq_len`, and only the positions after the overlap are kept, so every
 cached position (past the first window) sees at least `train.seq_len` tokens before it: as much
 as a training window ever gives the student. It runs with bf16 weights (1.5-2.6x faster than
-autocast over fp32 weights on this CPU; measured, see README), the softmax in fp32.
+autocast over fp32 weights on this CPU; measured, see docs/distillation.md), the softmax in fp32.
 
 With distillation off (`train.distill.weight=0`) the stage only measures the donor's val loss (a
 few seconds; none for instruction rows) and records `mode: off`; in online mode it records the

@@ -57,7 +57,7 @@ def run_evaluate(
     With llama-cpp-python installed, also llama.cpp's agreement with us on the first val windows
     (pipeline.evaluate.parity; a mean KL above `evaluate.llamacpp_max_kl` fails).
 
-    One model at a time (the stage's peak RSS, README "Fine-tuning"): the tuned model does all its
+    One model at a time (the stage's peak RSS, docs/finetuning.md): the tuned model does all its
     work and is freed, then llama.cpp loads the file, then the base. `val_sha256`: the val file's,
     when the caller has hashed it already (the stage, for its val_data tag).
     """

@@ -147,7 +147,7 @@ def realize_vit(
     recipe: RecipeConfig, mcfg: ModelConfig, seed: int, packed_dir: Path, out_dir: Path
 ) -> dict[str, float]:
     """A ViT from scratch for the packed images (their size, channels, classes and normalization),
-    seeded init (`models.base.init_weights`); `model.n_classes` must be the data's class count."""
+    seeded init (`models.transformer.init_weights`); `model.n_classes` must be the data's class count."""
     meta = load_meta(packed_dir)
     stats = meta.stats or {}
     if meta.format != "images":

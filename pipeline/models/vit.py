@@ -151,7 +151,7 @@ class EncoderBlock(nn.Module):
 class ViT(nn.Module):
     """Patch embedding, class token, position embeddings, encoder blocks, final norm, class head."""
 
-    RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.down.weight")  # for `models.base.init_weights`
+    RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.down.weight")  # for `models.transformer.init_weights`
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
