@@ -67,7 +67,8 @@ def test_a_failed_evaluate_changes_none_of_its_outputs(project: Path, first_repr
     whole = gguf.read_bytes()
     try:
         gguf.write_bytes(whole[: len(whole) // 2])
-        proc = run(project, sys.executable, "-m", "stages.evaluate", "--config-dir", ".", "--config-name", "params")
+        args = ["--config-dir", ".", "--config-name", "params", "hydra.run.dir=logs", "hydra.output_subdir=null"]
+        proc = run(project, sys.executable, "-m", "stages.evaluate", *args)
     finally:
         gguf.write_bytes(whole)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

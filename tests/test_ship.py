@@ -30,6 +30,8 @@ from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadat
 from pipeline.models.registry import export_gguf
 from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
+from stages._run.typed import typed_config
+from stages.compose import compose_config
 from tests.conftest import write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,11 +103,12 @@ def test_k_quant_without_llamacpp_is_one_named_line(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Hide(), *sys.meta_path])
-    with pytest.raises(ConfigError) as err:
-        ExportConfig(dtype="q4_k_m")
+    assert ExportConfig(dtype="q4_k_m").dtype == "q4_k_m"  # the schema checks values only, not what is installed
+    with pytest.raises(ConfigError) as err:  # every stage checks what the values need, before it runs
+        typed_config(compose_config(["export.dtype=q4_k_m"]))
     message = str(err.value)
     assert message.startswith("config key export.dtype:") and "make llamacpp" in message and "\n" not in message
-    assert ExportConfig(dtype="q4_0").dtype == "q4_0"  # gguf-py's own types need no llama.cpp
+    assert typed_config(compose_config(["export.dtype=q4_0"])).export.dtype == "q4_0"  # gguf-py's own types
 
 
 def test_export_is_named_by_convention_with_keys_and_card(tmp_path: Path, smollm2: GGUFFile) -> None:
