@@ -25,6 +25,8 @@ from pipeline.models.transformer import DecoderLM
 
 @dataclass
 class DonorEmbeddings:
+    """The donor's token table, dequantized, with where it came from (what the PCA recipes read)."""
+
     path: Path
     architecture: str
     width: int

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.data.packed import load_data, load_meta
+from pipeline.data.packed import PackMeta, load_data, load_meta
 from pipeline.distill.cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
@@ -54,9 +54,10 @@ class TrainJob:
 def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     """Train the model of `job.init_dir` on `job.packed_dir` and write the trained model directory."""
     tcfg = job.train
-    model, vocab = load_for_training(job.init_dir, job.packed_dir, tcfg)
+    meta = load_meta(job.packed_dir)
+    model, vocab = load_for_training(job.init_dir, meta, tcfg)
     hooks = hooks or Hooks()
-    bits = load_meta(job.packed_dir).bits_per_token("val")
+    bits = meta.bits_per_token("val")
     try:
         data = load_data(job.packed_dir, "train"), load_data(job.packed_dir, "val")
         teacher = load_teacher(tcfg, job.teach_dir, job.donor, vocab)
@@ -89,12 +90,12 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     return result
 
 
-def load_for_training(init_dir: Path, packed_dir: Path, tcfg: TrainConfig) -> tuple[nn.Module, int]:
-    """The model realize wrote, ready for this run's precision, and the data's vocabulary (or classes)."""
+def load_for_training(init_dir: Path, meta: PackMeta, tcfg: TrainConfig) -> tuple[nn.Module, int]:
+    """The model realize wrote, ready for this run's precision, and the size of its output that the packed
+    data (`meta`) needs: its vocabulary, or its classes."""
     model = load_model_dir(init_dir)
     if is_finetune_dir(init_dir):
         prepare_training(model, read_spec(init_dir).mode, torch.bfloat16 if tcfg.precision == "bf16" else torch.float32)
-    meta = load_meta(packed_dir)
     key = "n_classes" if meta.format == "images" else "vocab_size"
     vocab = getattr(meta, key)  # the size of the model's output: tokens, or classes
     if vocab != getattr(model.cfg, key):
