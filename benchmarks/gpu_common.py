@@ -88,6 +88,7 @@ def named_shapes() -> dict[str, Shape]:
         "tiny": conf_shape("tiny", "llama-tiny", 64, 512),
         "tiny-default": conf_shape("tiny-default", "llama-tiny", b, t),
         "small": conf_shape("small", "llama-small", 32, 512),
+        "default": conf_shape("default", "subclone", b, t),  # the default run's student (model=subclone)
         "smoke": Shape("smoke", 512, 64, 2, 4, 2, 128, 2, 64),
     }
 

@@ -23,8 +23,8 @@ from tests.conftest import ROOT
 def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
-    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone-distill" and cfg.model.d_model == 384
-    assert cfg.train.distill.weight == 0.5
+    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
+    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.0
 
 
 def test_params_yaml_equals_fresh_composition() -> None:

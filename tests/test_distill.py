@@ -6,6 +6,7 @@ stages in-process, with the CE and KD parts in MLflow."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from dataclasses import asdict, dataclass, replace
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from pipeline.data.corpus import load_documents
-from pipeline.data.packed import load_split, split_fingerprint
+from pipeline.data.packed import load_split, split_fingerprint, spread_spans
 from pipeline.data.text import pack
 from pipeline.distill.cache import META_FILE, TeacherCache, read_meta
 from pipeline.distill.teach import run_teach, teacher_windows
@@ -40,6 +41,7 @@ from pipeline.models.ops.losses import (
 from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training import checkpoint as ckpt
+from pipeline.training.batches import MixedSampler, distill_share, make_sampler
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.trainer import load_teacher
@@ -199,6 +201,63 @@ def test_teach_cache_round_trips_against_a_direct_donor_forward(project: Project
     ids, logp, tail = cache.gather(np.array([0, 3]), 16)
     assert ids.shape == (2, 16, 8) and np.array_equal(ids[1, 0], cache.ids[3]) and tail.shape == (2, 16)
     assert logp.dtype == np.float32 and np.array_equal(logp[0, 5], cache.logprobs[5].astype(np.float32))
+
+
+def test_cache_spans_are_disjoint_evenly_spread_and_within_the_budget() -> None:
+    assert spread_spans(1000, 0, 64) == [] and spread_spans(1000, 1000, 64) == []
+    for n, budget, span in [(10_000, 3000, 1000), (10_001, 4096, 1024), (5000, 700, 1024), (100_000, 99_999, 8192)]:
+        spans = spread_spans(n, budget, span)
+        assert sum(e - s for s, e in spans) <= budget and spans[0][0] == 0
+        assert spans[-1][1] == (n if len(spans) > 1 else min(span, budget))  # spread to the end
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # ordered, disjoint
+
+
+def test_a_cache_budget_caches_spans_and_training_draws_from_them(project: Project, tmp_path: Path) -> None:
+    """Over `cache_tokens` train tokens the donor caches spread spans; a share of train's batches
+    distil on windows of them, the rest are plain windows of the whole split."""
+    tokens = load_split(project.packed, "train")
+    budget = len(tokens) // 2
+    steps = 2 * budget // (TCFG.batch_size * TCFG.seq_len)  # the run reads twice what is cached
+    tcfg = replace(
+        TCFG, steps=steps, eval_every=steps, checkpoint_every=0, distill=replace(DISTILL, cache_tokens=budget)
+    )
+    meta, metrics = project.teach_with(tcfg, tmp_path / "teach")
+    cache = TeacherCache(tmp_path / "teach")
+    expected = np.concatenate([tokens[s:e] for s, e in meta.spans])
+    assert len(meta.spans) >= 1 and meta.positions == len(expected) <= len(tokens) // 2
+    assert np.array_equal(cache.tokens, expected) and len(cache.ids) == len(expected)
+    assert metrics["cached_positions"] == len(expected)
+    donor = load_donor(project.donor, VOCAB)
+    with torch.no_grad():  # the first window of the spans' stream is the donor's own forward over it
+        lp = torch.log_softmax(donor(torch.from_numpy(expected[: DISTILL.context].astype(np.int64))[None])[0], -1)
+    ids = torch.from_numpy(cache.ids[: DISTILL.context].astype(np.int64))
+    cached = torch.from_numpy(cache.logprobs[: DISTILL.context].astype(np.float32))
+    assert torch.allclose(cached, lp.gather(1, ids), atol=2e-2)
+    sampler = make_sampler(tokens, tcfg, 0, cache)
+    share = distill_share(len(expected), tcfg)
+    assert isinstance(sampler, MixedSampler) and 0 < share < 1
+    kinds = [len(sampler()) for _ in range(tcfg.steps)]
+    assert kinds.count(5) == int(tcfg.steps * share)  # distillation batches, evenly interleaved with plain ones
+    state = copy.deepcopy(sampler.state())  # its state is its whole future (checkpoints carry it)
+    ahead = [sampler() for _ in range(5)]
+    again = make_sampler(tokens, tcfg, 0, cache)
+    again.set_state(state)
+    assert all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ahead, [again() for _ in range(5)]))
+    model = load_model_dir(project.root / "models" / "init")
+    val = load_split(project.packed, "val")
+    result = train(model, tokens, val, tcfg, OptimConfig(), 0, progress=False, teacher=cache)
+    assert result.steps == tcfg.steps and any("train_kd" in h for h in result.history)
+    with pytest.raises(DataError, match="cached positions"):  # a span cache of a shorter split
+        train(
+            load_model_dir(project.root / "models" / "init"),
+            tokens[: len(tokens) // 3],
+            val,
+            tcfg,
+            OptimConfig(),
+            0,
+            progress=False,
+            teacher=cache,
+        )
 
 
 def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Project, tmp_path: Path) -> None:

@@ -45,6 +45,19 @@ def test_pack_pydoc(tmp_path: Path, tok: GGUFTokenizer) -> None:
     assert metrics["tokens_per_second"] > 0 and metrics["distinct_tokens"] > 1000
 
 
+def test_a_val_split_over_the_cap_keeps_spread_spans_of_it(tmp_path: Path, tok: GGUFTokenizer) -> None:
+    """data.val_max_tokens: a larger val split keeps that many tokens, evenly spread, bits per byte kept."""
+    docs = load_documents(DataConfig())
+    full, _ = pack(docs, tok, DataConfig(val_fraction=0.3, val_max_tokens=0), tmp_path / "full")
+    capped, _ = pack(docs, tok, DataConfig(val_fraction=0.3, val_max_tokens=4096), tmp_path / "capped")
+    val, kept = load_split(tmp_path / "full", "val"), load_split(tmp_path / "capped", "val")
+    assert full.tokens["val"] > 4096 and capped.val_kept_of == full.tokens["val"] and len(kept) == 4096
+    assert np.array_equal(kept[:2048], val[:2048]) and np.array_equal(kept[-2048:], val[-2048:])  # spread to both ends
+    assert np.array_equal(load_split(tmp_path / "capped", "train"), load_split(tmp_path / "full", "train"))
+    assert capped.bits_per_token("val") == pytest.approx(full.bits_per_token("val"), rel=1e-3)
+    assert full.val_kept_of is None and "val_kept_of" not in json.loads((tmp_path / "full" / "meta.json").read_text())
+
+
 def test_split_is_deterministic_and_by_document() -> None:
     docs = load_documents(DataConfig())
     a = split_documents(docs, 0.1, seed=0)

@@ -46,6 +46,7 @@ class DataConfig:
     text_field: str = "text"  # JSONL field / parquet column holding the document
     val_fraction: float = 0.1
     split_seed: int = 0
+    val_max_tokens: int = 32768  # running text: a larger val split keeps this many tokens, in spread spans; 0 = all
     add_bos: str = "auto"  # auto (the GGUF's add_bos_token flag) | true | false
     add_eos: bool = True  # end every document (plain-template response) with EOS so the model learns ends
     # instruct only:
@@ -87,6 +88,15 @@ class DataConfig:
             self.path,
             "pick the source that reads the file: data=jsonl (or text, dir, parquet; instruct or preset=lora for "
             "instruction data; images for a folder of images) with data.path, or leave data.path empty",
+        )
+        check(
+            isinstance(self.val_max_tokens, int)
+            and not isinstance(self.val_max_tokens, bool)
+            and (self.val_max_tokens == 0 or self.val_max_tokens >= 1024),
+            "data.val_max_tokens",
+            "0 (the whole val split) or an integer >= 1024",
+            self.val_max_tokens,
+            "use e.g. 32768",
         )
         check(
             0.0 < self.val_fraction < 1.0,

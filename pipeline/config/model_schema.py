@@ -132,7 +132,7 @@ class SubcloneConfig:
     calib_seq_len: int = 256
     outlier_factor: float = 20.0
     layers: str = "importance"
-    head_fit_tokens: int = 4096
+    head_fit_tokens: int = 1024
     head_fit_iters: int = 25
 
     def __post_init__(self) -> None:
@@ -151,7 +151,7 @@ class SubcloneConfig:
             "set recipe.subclone.outlier_factor=20",
         )
         choice(self.layers, "recipe.subclone.layers", LAYER_RULES)
-        integer(self.head_fit_tokens, "recipe.subclone.head_fit_tokens", 0, "set recipe.subclone.head_fit_tokens=4096")
+        integer(self.head_fit_tokens, "recipe.subclone.head_fit_tokens", 0, "set recipe.subclone.head_fit_tokens=1024")
         integer(self.head_fit_iters, "recipe.subclone.head_fit_iters", 1, "set recipe.subclone.head_fit_iters=25")
 
 

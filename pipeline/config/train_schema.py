@@ -58,6 +58,7 @@ class DistillConfig:
     top_k: int = 32  # at most the vocab; in cached mode at most the k the cache was made with
     mode: str = "cached"  # cached | online
     context: int = 512  # cached mode: the donor's window; every cached position sees >= train.seq_len tokens
+    cache_tokens: int = 262144  # cached mode: at most this many train positions (evenly spread spans); 0 = all
 
     def __post_init__(self) -> None:
         check(0 <= self.weight <= 1, "train.distill.weight", "a value in [0, 1]", self.weight, "use 0 (off) to 1")
@@ -65,6 +66,7 @@ class DistillConfig:
         integer(self.top_k, "train.distill.top_k", 1, "use e.g. 32 (at most the vocab size)")
         choice(self.mode, "train.distill.mode", DISTILL_MODES)
         integer(self.context, "train.distill.context", 2, "use e.g. 512 (more than train.seq_len)")
+        integer(self.cache_tokens, "train.distill.cache_tokens", 0, "use 0 (the whole train split) or e.g. 262144")
 
     @property
     def enabled(self) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import CorpusHash, Document, iter_documents
-from pipeline.data.packed import SPLITS, PackMeta, ids_dtype, write_meta
+from pipeline.data.packed import SPLITS, PackMeta, cap_val, ids_dtype, write_meta
 from pipeline.data.text import batches, data_record, pack_metrics, resolve_add_bos, wrap_ids
 from pipeline.errors import DataError, PipelineError, problem
 from pipeline.io.files import atomic_dir
@@ -138,6 +138,8 @@ def pack_mixture(
             if step % 1000 == 0:
                 bar.note(f"{train.sum() / max(bar.elapsed, 1e-9):,.0f} train tok/s")
         meta = mixture_meta(cfg, tok, sources, digest.hexdigest(), bos, eos, int(seen.sum()))
+        va.flush()
+        cap_val(tmp, meta, cfg.val_max_tokens)
         write_meta(tmp, meta)
     metrics = pack_metrics(meta, time.perf_counter() - start)
     for k, s in enumerate(meta.sources or []):

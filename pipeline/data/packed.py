@@ -49,6 +49,7 @@ class PackMeta:
     sources: list[dict] | None = None  # a mixture: per source documents, tokens, share (pipeline.data.mixture)
     shards: int | None = None  # merged from this many shards (pipeline.data.shards)
     n_classes: int = 0  # images: the number of classes (vocab_size is then 0: there are no tokens)
+    val_kept_of: int | None = None  # the val split's tokens before `cap_val` kept tokens["val"] of them
 
     def bits_per_token(self, split: str = "val") -> float | None:
         """Nats per token -> bits per UTF-8 byte of `split`'s text (its token/byte ratio over ln 2): the
@@ -79,7 +80,11 @@ def ids_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-OPTIONAL = ("sources", "shards")  # left out of meta.json when None: a plain pack's meta is as it always was
+OPTIONAL = (
+    "sources",
+    "shards",
+    "val_kept_of",
+)  # left out of meta.json when None: a plain pack's meta is as it always was
 
 
 def write_meta(out_dir: Path, meta: PackMeta) -> None:
@@ -103,6 +108,37 @@ def save_rows(packed: Packed, path: str | os.PathLike[str]) -> Path:
             stats=np.frombuffer(json.dumps(packed.stats).encode(), dtype=np.uint8),
         )
     return Path(path)
+
+
+def spread_spans(n: int, budget: int, span: int) -> list[list[int]]:
+    """[start, end) spans of `span` tokens (at most `budget` in all), evenly spread over `n` tokens and
+    disjoint; [] when all `n` fit the budget (or the budget is 0: no limit)."""
+    if budget <= 0 or n <= budget:
+        return []
+    span = min(span, budget)
+    count = budget // span
+    starts = np.linspace(0, n - span, count).round().astype(np.int64) if count > 1 else np.zeros(1, np.int64)
+    return [[int(s), int(s) + span] for s in starts]
+
+
+VAL_SPAN = 2048  # tokens per kept span of a capped val split: 16 windows of the default train.seq_len
+
+
+def cap_val(out_dir: Path, meta: PackMeta, max_tokens: int) -> None:
+    """Keep at most `max_tokens` of a running-text val split (`out_dir`/val.bin, rewritten in place
+    before the pack is committed), as evenly spread spans: every stage measures val loss over it
+    (the donor's in teach, every evaluation in train), so a 10 MB corpus's 1 MB val split would cost
+    minutes per pass and add no decision. Its byte count is scaled alike, keeping bits per byte."""
+    spans = spread_spans(meta.tokens["val"], max_tokens, VAL_SPAN)
+    if not spans:
+        return
+    path = Path(out_dir) / "val.bin"
+    ids = np.fromfile(path, dtype=np.dtype(meta.dtype).newbyteorder("<"))
+    kept = np.concatenate([ids[s:e] for s, e in spans])
+    kept.tofile(path)
+    meta.val_kept_of, meta.tokens["val"] = meta.tokens["val"], len(kept)
+    if meta.bytes and meta.bytes.get("val"):
+        meta.bytes["val"] = round(meta.bytes["val"] * len(kept) / meta.val_kept_of)
 
 
 REPACK = "the pack stage writes it: re-run `dvc repro -f pack`"

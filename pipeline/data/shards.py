@@ -28,7 +28,7 @@ import numpy as np
 
 from pipeline.config import DataConfig
 from pipeline.data.corpus import Document, too_few_documents
-from pipeline.data.packed import PackMeta, ids_dtype, write_meta
+from pipeline.data.packed import PackMeta, cap_val, ids_dtype, write_meta
 from pipeline.data.split import val_mask
 from pipeline.data.text import copy_runs, data_record, pack_metrics, peak_rss_mb, split_meta, tokenize_to
 from pipeline.errors import ConfigError, DataError, problem
@@ -214,6 +214,7 @@ def merge_shards(cfg: DataConfig, tokenizer_fingerprint: str, out_dir: Path) -> 
         meta = split_meta(
             first, cfg, val, tokens, nbytes, distinct_tokens=int(seen.sum()), shards=cfg.num_shards, **facts
         )
+        cap_val(tmp, meta, cfg.val_max_tokens)
         write_meta(tmp, meta)
     metrics = pack_metrics(meta, time.perf_counter() - start)
     slowest = max(s.record["seconds"] for s in shards)  # the shard jobs ran side by side: the slowest is their wall

@@ -26,7 +26,7 @@ import numpy as np
 from pipeline.config import DataConfig
 from pipeline.config.data_schema import HOW_KEYS
 from pipeline.data.corpus import CorpusHash, Document, too_few_documents
-from pipeline.data.packed import REPACK, SPLITS, PackMeta, ids_dtype, write_meta
+from pipeline.data.packed import REPACK, SPLITS, PackMeta, cap_val, ids_dtype, write_meta
 from pipeline.data.split import split_indices, val_mask
 from pipeline.errors import DataError, problem
 from pipeline.io.files import atomic_dir
@@ -244,5 +244,6 @@ def pack(
         all_tokens.unlink()
         facts = {"corpus_sha256": counts.hash.hexdigest(), "bos_id": bos, "eos_id": eos}
         meta = split_meta(tok, cfg, val, tokens, nbytes, distinct_tokens=int(counts.seen.sum()), **facts)
+        cap_val(tmp, meta, cfg.val_max_tokens)
         write_meta(tmp, meta)
     return meta, pack_metrics(meta, time.perf_counter() - start)

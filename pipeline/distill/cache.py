@@ -7,12 +7,15 @@ every position p of the train token stream has a row: the donor's top-k next-tok
 tokens[..p] (`ids.npy`, uint16 when the vocab fits, else int32), their full-softmax log-probs
 (`logprobs.npy`, float16, descending) and the log of the mass of every other token (`tail.npy`,
 float32). They are `.npy` files read back as read-only memmaps: batches gather their rows.
+When the train split is larger than `train.distill.cache_tokens`, the cache covers evenly spread
+spans of it (`spans`), whose tokens are kept beside it (`tokens.npy`): training draws its
+distillation windows from them (`pipeline.training.batches.MixedSampler`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,7 @@ META_FILE = "meta.json"
 IDS_FILE = "ids.npy"
 LOGPROBS_FILE = "logprobs.npy"
 TAIL_FILE = "tail.npy"
+TOKENS_FILE = "tokens.npy"
 FIX = "run: dvc repro teach"
 
 
@@ -36,7 +40,7 @@ class TeachMeta:
     context: int
     seq_len: int  # train.seq_len: the context every cached position has at least, and the donor val loss's
     vocab_size: int
-    positions: int  # rows of the arrays: the train split's tokens (0 when nothing is cached)
+    positions: int  # rows of the arrays: the train split's tokens, or its spans' (0 when nothing is cached)
     train_sha256: str
     corpus_sha256: str
     tokenizer_fingerprint: str
@@ -47,6 +51,7 @@ class TeachMeta:
     val_sha256: str = ""  # the val split the donor val loss is of
     precision: str = "bf16"  # what the donor ran in for the cache
     seconds: float = 0.0
+    spans: list[list[int]] = field(default_factory=list)  # [start, end) of the train split cached; [] = all
 
     @property
     def cached(self) -> bool:
@@ -96,6 +101,7 @@ class TeacherCache:
                 )
             )
         self.ids, self.logprobs, self.tail = (self._open(n) for n in (IDS_FILE, LOGPROBS_FILE, TAIL_FILE))
+        self.tokens = self._open(TOKENS_FILE) if self.meta.spans else None  # the spans' tokens, in order
 
     def _open(self, name: str) -> np.memmap:
         path = self.dir / name

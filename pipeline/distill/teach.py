@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.data.packed import PackMeta, data_files, load_meta, load_split
-from pipeline.distill.cache import TeachMeta, create_arrays, write_meta
+from pipeline.data.packed import PackMeta, data_files, load_meta, load_split, spread_spans
+from pipeline.distill.cache import TOKENS_FILE, TeachMeta, create_arrays, write_meta
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.io.files import atomic_dir, sha256_file
@@ -41,6 +41,7 @@ from pipeline.training.validation import evaluate_loss
 
 log = logging.getLogger(__name__)
 WINDOW_TOKENS = 2048  # donor tokens per forward: enough rows for the bf16 matmuls to run at speed
+CACHE_SPAN = 8192  # train tokens per cached span (a budget spreads whole spans over the split)
 VAL_BATCH = 8  # windows per validation forward (the windows themselves are evaluate's)
 
 
@@ -56,6 +57,12 @@ def teacher_windows(n: int, context: int, seq_len: int) -> list[tuple[int, int, 
         windows.append((end - context, kept, end))
         kept = end
     return windows
+
+
+def cache_spans(n: int, budget: int) -> list[list[int]]:
+    """The train positions the donor caches under `train.distill.cache_tokens`: spans of 8192 spread
+    over the split ([] = all of it)."""
+    return spread_spans(n, budget, CACHE_SPAN)
 
 
 def _groups(windows: list[tuple[int, int, int]], per_batch: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -144,6 +151,10 @@ def run_teach(
     with atomic_dir(out_dir) as tmp:
         if meta.cached:
             tokens = load_split(packed_dir, "train")
+            meta.spans = cache_spans(len(tokens), tcfg.distill.cache_tokens)
+            if meta.spans:
+                tokens = np.concatenate([tokens[s:e] for s, e in meta.spans])
+                np.save(tmp / TOKENS_FILE, tokens)
             meta.positions = len(tokens)
             arrays = create_arrays(tmp, len(tokens), meta.top_k, pmeta.vocab_size)
             build_cache(

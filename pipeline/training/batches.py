@@ -69,6 +69,35 @@ class DistillSampler:
         self.windows.set_state(state)
 
 
+class MixedSampler:
+    """Distillation from a cache of spread spans (`train.distill.cache_tokens` under the train split's
+    size): a `share` of the micro-batches are distillation windows drawn from the cached spans,
+    evenly interleaved with plain windows drawn from the whole split. The student reads as much
+    fresh text as it would without a budget, and each cached target is used about `share` x
+    (micro-batches x batch x seq_len) / positions times; the step count is the whole state."""
+
+    def __init__(self, plain: BatchSampler, distill: DistillSampler, share: float):
+        self.plain, self.distill, self.share, self.calls = plain, distill, share, 0
+
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        i, self.calls = self.calls, self.calls + 1
+        return self.distill() if math.floor((i + 1) * self.share) > math.floor(i * self.share) else self.plain()
+
+    def state(self) -> dict[str, Any]:
+        return {"plain": self.plain.state(), "distill": self.distill.state(), "calls": self.calls}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.plain.set_state(state["plain"])
+        self.distill.set_state(state["distill"])
+        self.calls = int(state["calls"])
+
+
+def distill_share(positions: int, tcfg: TrainConfig) -> float:
+    """The share of micro-batches that distil: the cached positions over the tokens the run reads
+    (at most 1: a cache at least that large serves every batch)."""
+    return min(1.0, positions / (tcfg.steps * tcfg.grad_accum * tcfg.batch_size * tcfg.seq_len))
+
+
 class RowSampler:
     """Batches of packed rows (x, labels, segment_ids), epoch by epoch: each epoch visits every row
     once in a fresh seeded order; a batch may straddle two epochs."""
@@ -127,15 +156,23 @@ class ImageSampler(RowSampler):
 
 def make_sampler(
     data: np.ndarray | Packed | Images, tcfg: TrainConfig, seed: int, teacher: object = None
-) -> BatchSampler | DistillSampler | RowSampler:
+) -> BatchSampler | DistillSampler | MixedSampler | RowSampler:
     """Seeded batches: random windows of a token stream (with their cached donor targets when
-    `teacher` is a TeacherCache), epochs over packed rows, or epochs over labelled images."""
+    `teacher` is a TeacherCache: all of them, or a share drawn from its spans), epochs over packed
+    rows, or epochs over labelled images."""
     if is_images(data):
         return ImageSampler(data, tcfg.batch_size, seed)
     if is_rows(data):
         return RowSampler(data, tcfg.batch_size, seed)
     windows = BatchSampler(data, tcfg.batch_size, tcfg.seq_len, seed)
-    return DistillSampler(windows, teacher, tcfg.distill.top_k) if isinstance(teacher, TeacherCache) else windows
+    if not isinstance(teacher, TeacherCache):
+        return windows
+    if teacher.tokens is None:
+        return DistillSampler(windows, teacher, tcfg.distill.top_k)
+    spans = BatchSampler(teacher.tokens, tcfg.batch_size, tcfg.seq_len, seed + 1)
+    return MixedSampler(
+        windows, DistillSampler(spans, teacher, tcfg.distill.top_k), distill_share(len(spans.data), tcfg)
+    )
 
 
 def sequence_length(data: np.ndarray | Packed, tcfg: TrainConfig) -> int:
@@ -282,11 +319,13 @@ def check_distill(train_data: Any, tcfg: TrainConfig, teacher: object) -> None:
     tcfg.check_distill_context()
     if not isinstance(teacher, TeacherCache):
         raise ConfigError(problem("cached distillation", "the teach stage's cache", type(teacher).__name__, "pass it"))
-    if teacher.meta.positions != len(train_data):
+    spans = teacher.meta.spans
+    covered = sum(e - s for s, e in spans) if spans else len(train_data)
+    if teacher.meta.positions != covered or (spans and spans[-1][1] > len(train_data)):
         raise DataError(
             problem(
                 str(teacher.dir),
-                f"a cache of the {len(train_data)} train positions",
+                f"a cache of the {len(train_data)} train positions" + (f" ({covered} in spans)" if spans else ""),
                 f"{teacher.meta.positions} cached positions",
                 "re-run: dvc repro teach",
             )

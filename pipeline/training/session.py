@@ -37,7 +37,7 @@ class Forward(nn.Module):
         the cached donor ids, log-probs and tail)."""
         if targets is None:
             return self.model(idx)
-        if self.distill is None:
+        if self.distill is None or not (extra or self._donor):  # a plain batch between cached ones
             return self.model.loss(idx, targets, *extra)
         teacher = tuple(extra) if extra else self.online_targets(idx)
         loss, parts = self.model.distill_loss(idx, targets, teacher, self.distill.weight, self.distill.temperature)

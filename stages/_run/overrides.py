@@ -45,6 +45,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
         "train.distill.mode",
         "train.distill.top_k",
         "train.distill.context",
+        "train.distill.cache_tokens",
         "train.seq_len",
         "donor.path",
     ),

@@ -204,11 +204,14 @@ def select_targets(h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
 
 def top_k_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A teacher's targets from its logits rows (N, V): top-k ids (N, k) int64, their fp32 full-softmax
-    log-probs (N, k), descending, and the log of the mass of every other token (N,), exact (-inf when k = V)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = lp.topk(k, dim=-1)
-    tail = torch.logsumexp(lp.scatter_(1, ids, float("-inf")), dim=-1)
-    return ids, values, tail
+    log-probs (N, k), descending, and the log of the mass of every other token (N,): 1 - the top-k's
+    mass, so exact to ~1e-6 of probability (-inf when the top-k hold all of it, as when k = V). One
+    fp32 pass over the logits (their logsumexp) instead of a full log-softmax: the teach stage's
+    cost after the donor's forward."""
+    values, ids = logits.topk(k, dim=-1)
+    logp = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    tail = torch.log1p(-logp.double().exp().sum(-1).clamp(max=1.0)).float()
+    return ids, logp, tail
 
 
 def narrow_targets(

@@ -1,0 +1,118 @@
+"""The donor's worth on any corpus: how much of the from-scratch-to-donor gap the default run closes.
+
+    python benchmarks/donor_gap.py pydoc fortunes=/data/fortunes.txt foldoc=/data/foldoc.txt [--out FILE]
+
+Run from the project root after `make setup`. For each corpus (`pydoc`, the built-in default, or
+`name=path`: a text file read with `data=text`, a folder with `data=dir`, a `.jsonl` with
+`data=jsonl`) it runs two `dvc exp run`s in this workspace, through every real stage:
+
+- default: the default config, nothing else set (`recipe=subclone-distill`)
+- scratch: the same student shape trained from random weights (`recipe=from-scratch optim=adamw`)
+
+and prints, per corpus, the student's, the from-scratch model's and the donor's val loss (the donor
+on the same windows of `train.seq_len`, measured by the teach stage), the fraction of the gap the
+default closes, (scratch - default) / (scratch - donor), and the wall time of each `dvc exp run`
+(the default's is the whole chain, pack to report). `-S key=value` adds an override to both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
+
+
+def data_overrides(spec: str) -> tuple[str, list[str]]:
+    """A corpus argument as (name, overrides): `pydoc`, or `name=path` read by the source its kind needs."""
+    if spec == "pydoc":
+        return "pydoc", []
+    name, _, path = spec.partition("=")
+    file = Path(path).resolve()
+    if not name or not file.exists():
+        sys.exit(f"corpus {spec!r}: expected pydoc or name=path to an existing file or folder; fix the path")
+    group = "dir" if file.is_dir() else "jsonl" if file.name.endswith((".jsonl", ".jsonl.gz")) else "text"
+    return name, [f"data={group}", f"data.path={file}"]
+
+
+def run(name: str, overrides: list[str]) -> dict[str, float]:
+    """One `dvc exp run`; its metrics read back from the workspace it leaves."""
+    args = ["dvc", "exp", "run", "--force", "-n", name]  # every stage runs: the wall time is a cold run
+    for override in overrides:
+        args += ["-S", override]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    ev, tr, teach, pack = (_read(f"metrics/{s}.json") for s in ("evaluate", "train", "teach", "pack"))
+    return {
+        "val_loss": ev["val_loss"],
+        "donor_val_loss": ev.get("donor_val_loss", float("nan")),
+        "train_tokens": pack.get("tokens_train", float("nan")),
+        "cached_positions": teach.get("cached_positions", 0.0),
+        "teach_seconds": teach.get("seconds", 0.0),
+        "train_seconds": tr["seconds"],
+        "wall_seconds": wall,
+    }
+
+
+def _read(path: str) -> dict[str, float]:
+    file = ROOT / path
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def closed(r: dict[str, dict[str, float]]) -> float:
+    scratch, donor = r["scratch"]["val_loss"], r["default"]["donor_val_loss"]
+    return (scratch - r["default"]["val_loss"]) / (scratch - donor)
+
+
+def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = [
+        "| corpus | train tokens | default val | scratch val | donor val | gap closed | default run s "
+        "| scratch run s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for corpus, r in results.items():
+        d, s = r["default"], r["scratch"]
+        lines.append(
+            f"| {corpus} | {d['train_tokens']:,.0f} | {d['val_loss']:.4f} | {s['val_loss']:.4f} "
+            f"| {d['donor_val_loss']:.4f} | **{closed(r):.0%}** | {d['wall_seconds']:.0f} | {s['wall_seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("corpora", nargs="+", help="pydoc, or name=path (a text file, a folder, a .jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
+    args = parser.parse_args()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for spec in args.corpora:
+        corpus, data = data_overrides(spec)
+        results[corpus] = {
+            kind: run(f"gap-{corpus}-{kind}", [*data, *overrides, *args.extra]) for kind, overrides in RUNS.items()
+        }
+        r = results[corpus]
+        print(
+            f"{corpus}: default {r['default']['val_loss']:.4f}, scratch {r['scratch']['val_loss']:.4f}, "
+            f"donor {r['default']['donor_val_loss']:.4f}: {closed(r):.0%} closed",
+            flush=True,
+        )
+    print(table(results))
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"extra": args.extra, "results": results}, indent=2) + "\n")
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
