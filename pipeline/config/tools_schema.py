@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config.checks import at_least, check, choice, positive
+from pipeline.config.checks import at_least, check, choice, integer, positive
 from pipeline.config.train_schema import DEVICES
 
 # how generate and chat store the weights (pipeline.inference.decode): int8 rows, int4 blocks (CPU), bf16, or exact fp32
@@ -37,9 +37,20 @@ class GenerateConfig:
     precision: str = "int8"  # int8 | int4 (CPU) | bf16 | fp32 weights (pipeline.inference.decode)
     device: str = "auto"
     threads: int = 0  # 0: torch's default
+    draft: str = ""  # a draft model sharing the vocabulary (a student GGUF): greedy speculative decoding
+    draft_k: int = 4  # tokens the draft proposes per check
 
     def __post_init__(self) -> None:
         check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
+        integer(self.draft_k, "draft_k", 1, "use e.g. 4")
+        greedy = self.temperature <= 0 and self.repetition_penalty == 1.0 and self.cache and not self.lora
+        check(
+            not self.draft or greedy,
+            "draft",
+            "greedy decoding with the cache (temperature=0, repetition_penalty=1, cache=true, no lora)",
+            f"temperature={self.temperature}, repetition_penalty={self.repetition_penalty}, cache={self.cache}",
+            "set temperature=0, or drop draft",
+        )
         check(
             not (self.prompt and self.prompt_file),
             "prompt / prompt_file",

@@ -15,8 +15,9 @@ from pipeline.donor.locate import resolve_gguf_path
 from pipeline.errors import ChatTemplateError, ConfigError, GGUFError, problem
 from pipeline.finetune.adapters import Adapter, apply_adapter, read_adapter_gguf, read_peft_adapter
 from pipeline.gguf.reader import GGUFFile
-from pipeline.inference.decode import for_decoding
-from pipeline.inference.sampling import Sampling, complete
+from pipeline.inference.decode import PackedLlama, for_decoding
+from pipeline.inference.sampling import Sampling, complete, model_device
+from pipeline.inference.speculative import complete_speculative
 from pipeline.io.modeldir import CONFIG_FILE, MODEL_FILE, is_finetune_dir, load_model_dir, read_spec
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.chat_template import default_stop_ids, render_messages
@@ -195,7 +196,22 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
     check_stop_ids(stop_ids, model.cfg.vocab_size)
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
     stops = [unescape(s) for s in cfg.stop]
-    done = complete(model, tok.decode, prompt_ids, cfg.max_new_tokens, sampling, stop_ids, stops, cfg.cache)
+    spec: dict[str, Any] = {}
+    if cfg.draft:
+        draft = load_draft(cfg, tok, model)
+        done, s = complete_speculative(
+            model, draft, tok.decode, prompt_ids, cfg.max_new_tokens, cfg.draft_k, stop_ids, stops
+        )
+        spec = {
+            "draft": cfg.draft,
+            "draft_k": cfg.draft_k,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance": round(s.acceptance, 4),
+            "target_calls": s.target_calls,
+        }
+    else:
+        done = complete(model, tok.decode, prompt_ids, cfg.max_new_tokens, sampling, stop_ids, stops, cfg.cache)
     return {
         "model_path": str(Path(cfg.model_path)) if cfg.model_path != "smollm2" else "smollm2",
         "prompt": cfg.prompt,
@@ -211,4 +227,24 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
         "decode_s": round(done.decode_s, 4),
         "tokens_per_s": round(done.tokens_per_s, 2),
         "decode_tokens_per_s": round(done.decode_tokens_per_s, 2),
+        **spec,
     }
+
+
+def load_draft(cfg: GenerateConfig, tok: GGUFTokenizer, target: nn.Module) -> nn.Module:
+    """The draft model, packed as the target is; it must tokenize exactly as the target does."""
+    draft, draft_tok, _ = load_for_generation(cfg.draft, cfg.tokenizer_gguf)
+    draft = for_decoding(draft, cfg.precision, model_device(target))
+    if not (isinstance(target, PackedLlama) and isinstance(draft, PackedLlama)):
+        found = f"{type(target.cfg).__name__ if hasattr(target, 'cfg') else type(target).__name__} models"
+        raise ConfigError(problem(f"draft={cfg.draft}", "llama models (model_path and draft)", found, "drop draft"))
+    if draft_tok.fingerprint() != tok.fingerprint() or draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ConfigError(
+            problem(
+                f"draft={cfg.draft}",
+                f"a model with model_path's tokenizer ({target.cfg.vocab_size} tokens)",
+                f"another tokenizer ({draft.cfg.vocab_size} tokens)",
+                "use a student of this donor (its export shares the donor's vocabulary)",
+            )
+        )
+    return draft
