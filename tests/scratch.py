@@ -39,6 +39,7 @@ distill:                 # DVC's params must all be in params.yaml (the teach st
   top_k: 32
   mode: cached
   context: 512
+  cache_tokens: 262144
 """
 TINY_VAL_FRACTION = 0.03
 
