@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from donor_transfer import _read, exp_run  # noqa: E402
+
 RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
 
 
@@ -43,15 +42,7 @@ def data_overrides(spec: str) -> tuple[str, list[str]]:
 
 def run(name: str, overrides: list[str]) -> dict[str, float]:
     """One `dvc exp run`; its metrics read back from the workspace it leaves."""
-    args = ["dvc", "exp", "run", "--force", "-n", name]  # every stage runs: the wall time is a cold run
-    for override in overrides:
-        args += ["-S", override]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    start = time.perf_counter()
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    wall = exp_run(["--force", "-n", name], overrides)  # every stage runs: the wall time is a cold run
     ev, tr, teach, pack = (_read(f"metrics/{s}.json") for s in ("evaluate", "train", "teach", "pack"))
     return {
         "val_loss": ev["val_loss"],
@@ -62,11 +53,6 @@ def run(name: str, overrides: list[str]) -> dict[str, float]:
         "train_seconds": tr["seconds"],
         "wall_seconds": wall,
     }
-
-
-def _read(path: str) -> dict[str, float]:
-    file = ROOT / path
-    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def closed(r: dict[str, dict[str, float]]) -> float:

@@ -43,17 +43,23 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
-def run_method(name: str, steps: int, extra: list[str]) -> dict[str, float]:
-    """One `dvc exp run` of `name`; its metrics read back from the workspace it leaves."""
-    args = ["dvc", "exp", "run", "-n", f"dt-{name}", "-S", f"train.steps={steps}"]
-    for override in (*METHODS[name], *extra):
+def exp_run(args: list[str], overrides: list[str]) -> float:
+    """`dvc exp run <args> -S o ...` in the project with this venv first on PATH; its wall seconds
+    (the process exits naming the command and its output's tail if it fails)."""
+    args = ["dvc", "exp", "run", *args]
+    for override in overrides:
         args += ["-S", override]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     start = time.perf_counter()
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def run_method(name: str, steps: int, extra: list[str]) -> dict[str, float]:
+    """One `dvc exp run` of `name`; its metrics read back from the workspace it leaves."""
+    wall = exp_run(["-n", f"dt-{name}"], [f"train.steps={steps}", *METHODS[name], *extra])
     metrics = {stage: _read(f"metrics/{stage}.json") for stage in ("realize", "train", "teach", "evaluate")}
     ev, tr, rz = metrics["evaluate"], metrics["train"], metrics["realize"]
     return {
