@@ -40,6 +40,8 @@ distill:                 # DVC's params must all be in params.yaml (the teach st
   mode: cached
   context: 512
   cache_tokens: 262144
+  source: corpus
+  prompt_tokens: 32
 """
 TINY_VAL_FRACTION = 0.03
 

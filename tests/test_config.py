@@ -23,8 +23,8 @@ from tests.conftest import ROOT
 def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
-    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
-    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.0
+    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone-distill" and cfg.model.d_model == 384
+    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.5 and cfg.train.distill.source == "corpus"
 
 
 def test_params_yaml_equals_fresh_composition() -> None:
@@ -126,7 +126,7 @@ def test_stage_cli_reports_one_line_and_exits_nonzero(tmp_path) -> None:
     "override, start",
     [
         ("optim.lrr=1", "error: config key optim.lrr: expected a key of the config"),
-        ("recipe=lorra", "error: config group recipe: expected one of distill, from-scratch, full-finetune, lora"),
+        ("recipe=lorra", "error: config group recipe: expected one of distill, draft, from-scratch, full-finetune"),
         ("optim.lr=[1,2", "error: config override 'optim.lr=[1,2': expected a value in Hydra's override syntax"),
         ("dir/corpus.txt", "error: config override 'dir/corpus.txt': expected key=value, found no '='"),
         (  # OmegaConf said "Key 'lrr' not in 'OptimConfig'": no expected/found, no key to use

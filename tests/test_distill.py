@@ -21,10 +21,11 @@ from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig,
 from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_split, split_fingerprint, spread_spans
 from pipeline.data.text import pack
-from pipeline.distill.cache import META_FILE, TeacherCache, read_meta
+from pipeline.distill.cache import META_FILE, VAL_CHOICE_FILE, TeacherCache, read_meta, read_val_choice
 from pipeline.distill.teach import run_teach, teacher_windows
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError
+from pipeline.inference.speculative import draft_acceptance
 from pipeline.init.realize import realize
 from pipeline.io.files import sha256_file
 from pipeline.io.inputs import donor_record
@@ -38,6 +39,7 @@ from pipeline.models.ops.losses import (
     narrow_targets,
     top_k_targets,
 )
+from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training import checkpoint as ckpt
@@ -45,6 +47,7 @@ from pipeline.training.batches import MixedSampler, distill_share, make_sampler
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.trainer import load_teacher
+from pipeline.training.validation import scored_windows
 from stages._run.lifecycle import run_stage
 from stages._run.paths import Paths
 from stages._run.typed import typed_config
@@ -198,6 +201,12 @@ def test_teach_cache_round_trips_against_a_direct_donor_forward(project: Project
         assert bool((lp.gather(1, ids) >= kth - 1e-5).all())  # they are the top-k (ties aside)
         rest = torch.logsumexp(lp.scatter(1, ids, float("-inf")), -1)
         assert torch.allclose(torch.from_numpy(np.array(cache.tail[keep:end])), rest, atol=1e-4)
+    val, seq = load_split(project.packed, "val"), TCFG.seq_len
+    n = (len(val) - 1) // seq
+    with torch.no_grad():  # the donor's greedy choices over evaluate's val windows, for draft scoring
+        direct = donor(torch.from_numpy(np.asarray(val[: n * seq], dtype=np.int64).reshape(n, seq))).argmax(-1)
+    choice = read_val_choice(project.teach)
+    assert choice.shape == (n, seq) and (choice == direct.numpy()).mean() > 0.99  # batching may flip a near-tie
     ids, logp, tail = cache.gather(np.array([0, 3]), 16)
     assert ids.shape == (2, 16, 8) and np.array_equal(ids[1, 0], cache.ids[3]) and tail.shape == (2, 16)
     assert logp.dtype == np.float32 and np.array_equal(logp[0, 5], cache.logprobs[5].astype(np.float32))
@@ -260,9 +269,46 @@ def test_a_cache_budget_caches_spans_and_training_draws_from_them(project: Proje
         )
 
 
+def test_a_donor_source_caches_its_greedy_continuations_and_training_reads_them_whole(
+    project: Project, tmp_path: Path
+) -> None:
+    """source=donor: each cached sequence is a train prompt and the donor's own greedy continuation
+    to one training window, with the donor's targets at every position; with weight 1 every batch
+    is one of those windows, drawn whole."""
+    tokens, seq, prompt = load_split(project.packed, "train"), TCFG.seq_len + 1, 5
+    distill = replace(DISTILL, weight=1.0, source="donor", prompt_tokens=prompt, cache_tokens=6 * seq)
+    tcfg = replace(TCFG, steps=4, eval_every=4, checkpoint_every=0, distill=distill)
+    meta, _ = project.teach_with(tcfg, tmp_path / "teach")
+    cache = TeacherCache(tmp_path / "teach")
+    assert meta.source == "donor" and meta.sequence == seq and len(meta.spans) == 6 and meta.positions == 6 * seq
+    rows = np.asarray(cache.tokens, dtype=np.int64).reshape(6, seq)
+    for (start, end), row in zip(meta.spans, rows):
+        assert end - start == prompt and np.array_equal(row[:prompt], tokens[start:end])
+    ids_k, logp_k = cache.ids.astype(np.int64).reshape(6, seq, -1), cache.logprobs.reshape(6, seq, -1)
+    for r in range(6):  # greedy: each next id is the donor's best there (bf16 logits tie: any of the best)
+        for p in range(prompt - 1, seq - 1):
+            best = ids_k[r, p][logp_k[r, p] == logp_k[r, p, 0]]
+            assert rows[r, p + 1] in best
+    donor = load_donor(project.donor, VOCAB)
+    with torch.no_grad():  # the cached targets are the donor's own distribution over the sequence
+        lp = torch.log_softmax(donor(torch.from_numpy(rows[:2]))[0:2], -1).flatten(0, 1)
+    ids = torch.from_numpy(cache.ids[: 2 * seq].astype(np.int64))
+    err = (torch.from_numpy(cache.logprobs[: 2 * seq].astype(np.float32)) - lp.gather(1, ids)).abs()
+    assert err.max() < 0.5 and err.mean() < 0.05  # bf16 decoding vs this fp32 forward; a shift is nats off
+    sampler = make_sampler(tokens, tcfg, 0, cache)
+    batches = [sampler() for _ in range(4)]
+    assert all(len(b) == 5 for b in batches)  # weight 1: every batch distils
+    assert all(s % seq == 0 for s in sampler.distill.windows.starts)  # whole continuations
+    model = load_model_dir(project.root / "models" / "init")
+    val = load_split(project.packed, "val")
+    assert train(model, tokens, val, tcfg, OptimConfig(), 0, progress=False, teacher=cache).steps == 4
+    with pytest.raises(ConfigError, match="train.seq_len=16"):  # its windows are one continuation long
+        train(model, tokens, val, replace(tcfg, seq_len=8), OptimConfig(), 0, progress=False, teacher=cache)
+
+
 def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Project, tmp_path: Path) -> None:
     meta, metrics = project.teach_with(replace(TCFG, distill=DistillConfig()), tmp_path / "off")
-    assert meta.mode == "off" and sorted(p.name for p in (tmp_path / "off").iterdir()) == [META_FILE]
+    assert meta.mode == "off" and sorted(p.name for p in (tmp_path / "off").iterdir()) == [META_FILE, VAL_CHOICE_FILE]
     assert metrics["cached_positions"] == 0
     measured = read_meta(project.teach).donor_val_loss  # the same donor over the same val windows, cached mode
     assert read_meta(tmp_path / "off").donor_val_loss == pytest.approx(measured, abs=1e-6)
@@ -497,6 +543,11 @@ def test_the_evaluate_stage_hashes_the_val_split_once(project: Project, tmp_path
     )
     metrics = run_stage("evaluate", cfg, evaluate_body)
     assert reads.count("val.bin") == 1 and metrics["donor_val_loss"] == read_meta(project.teach).donor_val_loss
+    model, _ = load_gguf(root / "models/export/model.gguf")  # its agreement with the donor, as a draft
+    _, choice = scored_windows(model, load_split(root / "data/packed", "val"), 16, 4, torch.device("cpu"))
+    expected = draft_acceptance(read_val_choice(project.teach), choice)
+    assert metrics["draft_top1_agreement"] == pytest.approx(expected["draft_top1_agreement"])
+    assert metrics["draft_accepted_k1"] <= metrics["draft_accepted_k8"] == pytest.approx(expected["draft_accepted_k8"])
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")

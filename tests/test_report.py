@@ -27,6 +27,13 @@ from pipeline.tracking import VAL_DATA_TAG, RunRecord, Tracker, stage_runs
 from tests.conftest import ROOT
 
 EVALUATE = {"val_loss": 2.794254, "val_ppl": 16.3504, "val_bpb": 0.940714, "donor_val_loss": 3.171893}
+DRAFT = {"draft_top1_agreement": 0.5625, **{f"draft_accepted_k{k}": 0.5 + k / 10 for k in range(1, 9)}}
+QUANT = {
+    "quant_q4_0_val_loss": 2.9,
+    "quant_q4_0_val_loss_rise": 0.105746,
+    "quant_q4_0_kl": 0.0831,
+    "quant_q4_0_mb": 28.5,
+}
 TRAIN = {"final_val_loss": 2.794254, "kept_val_loss": 2.794254, "kept_val_bpb": 0.940714, "steps": 4.0, "seconds": 9.5}
 METRICS = {
     "pack": {"documents": 79.0, "tokens": 112956.0},
@@ -34,7 +41,7 @@ METRICS = {
     "realize": {"parameters": 28316544.0},
     "train": TRAIN,
     "export": {"file_bytes": 115039008.0, "tensors": 56.0},
-    "evaluate": EVALUATE,
+    "evaluate": {**EVALUATE, **DRAFT, **QUANT},
 }
 PLOTS = {
     "train/train_loss": "step\ttrain_loss\n1\t7.5\n2\t6.1\n3\t5.2\n4\t4.4\n",
@@ -84,13 +91,15 @@ def test_report_has_every_section_number_and_chart_and_no_external_url(tmp_path:
     compared = compare(EVALUATE, {}, runs, 10)
     report = build_report(ReportInputs(outputs, "subclone", environment("cpu", 1, "c0ffee"), compared))
     md, html = markdown(report), page(report)
-    for section in ("Summary", "Training", "Donor", "Comparison", "Stages", "Samples", "Environment"):
+    for section in ("Summary", "Training", "Donor", "Quantized", "As a draft model", "Comparison", "Stages"):
         assert f"## {section}\n" in md and f"<h2>{section}</h2>" in html
     assert "| val_bpb | 0.9407 |" in md and "| val_loss | 2.7943 |" in md and "| parameters | 28,316,544 |" in md
     assert "| **exp-a (this run)** | **subclone** |" in md  # this run stands out among the compared
     assert "| exp-b | warm-start | 0123456 |" in md and "optim.lr=0.01" in md and "output=" not in md
     assert "| 2 | 4 | 20.5000 | 16.3500 |" in md  # per-epoch perplexity: epoch, step, train, val
     assert "62.5% of its variance" in md and "| git commit | c0ffee |" in md and "| torch threads | 1 |" in md
+    assert "| export | 115.0390 | 2.7943 | 0 | 0 |" in md and "| q4_0 | 28.5000 | 2.9000 | 0.1057 | 0.0831 |" in md
+    assert "equals the donor's at 56.2% of positions" in md and "| 4 | 0.9000 | 1.9000 |" in md  # k, accepted, +1
     assert "is used <b>to</b> iterate" in md and "is used &lt;b&gt;to&lt;/b&gt; iterate" in html
     pngs = images(html)  # loss, lr, grad norm, epochs, explained variance, comparison
     assert len(pngs) == 6 and all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
@@ -222,7 +231,10 @@ def test_the_stage_compares_mlflow_runs_times_stages_and_logs_the_report(tmp_pat
     runs (logged as the stages log them, under a parent); the stage finds each and logs its report."""
     store = tmp_path / "mlflow.db"
     tracker = Tracker(f"sqlite:///{store}", "smollm-pipeline", tmp_path / "mlartifacts")
-    for name, metrics, lr in (("old-exp", {**EVALUATE, "val_bpb": 1.31}, "0.01"), ("new-exp", EVALUATE, "0.003")):
+    for name, metrics, lr in (
+        ("old-exp", {**EVALUATE, "val_bpb": 1.31}, "0.01"),
+        ("new-exp", {**EVALUATE, **DRAFT, **QUANT}, "0.003"),
+    ):
         parent = tracker.start(name, {"parent": "true"})
         for stage_name, values in (("train", TRAIN), ("evaluate", metrics)):
             run = tracker.start(f"{name}/{stage_name}", {"stage": stage_name, "recipe": "subclone"}, parent.run_id)

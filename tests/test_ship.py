@@ -141,6 +141,19 @@ def test_export_is_named_by_convention_with_keys_and_card(tmp_path: Path, smollm
     commands = [line.split("#")[0].strip() for line in text.split("```bash\n")[1].split("```")[0].splitlines()]
     server = commands.index(f"python -m llama_cpp.server --model {named.name}")  # needs the [server] extra
     assert "pip install 'llama-cpp-python[server]'" in commands[:server]
+    assert " -md " not in text  # a fine-tune is no draft model: it does not claim to draft for its base
+
+
+def test_a_students_card_says_how_it_drafts_for_its_donor(tmp_path: Path, smollm2: GGUFFile) -> None:
+    cfg = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=64)
+    m = Llama(cfg)
+    init_weights(m, 0.05, 0)
+    (tmp_path / "train").mkdir()
+    save_model_dir(tmp_path / "train", m)
+    run_export(tmp_path / "train", smollm2.path, tmp_path / "export", ExportPlan("f32", ShipInfo("subclone")), {})
+    text = (tmp_path / "export" / CARD).read_text()
+    named = next(p.name for p in (tmp_path / "export").iterdir() if p.name not in (MODEL_GGUF, CARD))
+    assert f"llama-server -m {smollm2.path.name} -md {named} --draft-max 4" in text
 
 
 def test_donor_identity_is_the_hub_name(smollm2: GGUFFile) -> None:

@@ -89,3 +89,23 @@ def test_generate_with_a_draft_gives_the_donors_greedy_text(smollm2, smollm2_pat
     assert spec["drafted"] == 3 * spec["target_calls"] and 0 <= spec["accepted"] <= spec["drafted"]
     with pytest.raises(ConfigError, match="config key draft|draft"):
         GenerateConfig(**base, draft=str(draft), temperature=0.8)
+
+
+def test_preset_draft_composes_and_recipe_draft_refuses_what_cannot_draft() -> None:
+    from pipeline.errors import ConfigError
+    from stages._run.typed import typed_config
+    from stages.compose import compose_config
+
+    cfg = typed_config(compose_config(["preset=draft"]))
+    assert cfg.recipe.name == "draft" and cfg.recipe.init == "subclone" and cfg.train.distill.weight == 1.0
+    assert cfg.model.n_layer < typed_config(compose_config([])).model.n_layer and cfg.export.dtype == "q8_0"
+    for override, key in (
+        ("train.distill.weight=0", "train.distill.weight"),
+        ("data=instruct", "data.source"),
+        ("model=gpt2-tiny", "model.arch"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            typed_config(compose_config(["preset=draft", override]))
+        assert (
+            str(err.value).startswith(f"config key {key}:") and "fix:" in str(err.value) and "\n" not in str(err.value)
+        )

@@ -38,6 +38,7 @@ class EvaluateConfig:
     baseline_val_loss: float = 0.0
     llamacpp_windows: int = 4  # val windows llama.cpp runs for the parity check (0: off)
     llamacpp_max_kl: float = 0.03  # mean KL(ours || llama.cpp) per token above which evaluate fails
+    quant_types: list[str] = field(default_factory=list)  # also score the export quantized to each (e.g. q4_k_m)
 
     def __post_init__(self) -> None:
         positive(self.max_new_tokens, "evaluate.max_new_tokens")
@@ -46,6 +47,8 @@ class EvaluateConfig:
         at_least(self.baseline_val_loss, "evaluate.baseline_val_loss", 0, "use 0 for none")
         positive(self.temperature, "evaluate.temperature")
         at_least(self.top_k, "evaluate.top_k", 0, "use 0 for no top-k")
+        for dtype in self.quant_types:  # a K-quant's llama.cpp is checked by the stage
+            choice(dtype, "evaluate.quant_types", tuple(t for t in EXPORT_TYPES if t != "f32"))
 
 
 @dataclass
@@ -100,6 +103,22 @@ class PipelineConfig:
             f"lower {length_key} or raise model.context_length",
         )
         self.train.check_distill_context()
+        if self.recipe.name == "draft":
+            self._check_draft()
+
+    def _check_draft(self) -> None:
+        """recipe=draft learns the donor's greedy choices from its cached distribution over running text,
+        as a llama (the shape llama.cpp's and our speculative decoding pair with the donor)."""
+        d = self.train.distill.weight
+        check(d > 0, "train.distill.weight", "> 0 for recipe=draft (it learns the donor's choices)", d, "set 1.0")
+        check(
+            self.data.source != "instruct",
+            "data.source",
+            "running text for recipe=draft (the donor's distribution is cached over a token stream)",
+            self.data.source,
+            "use data=pydoc, data=text or data=jsonl",
+        )
+        check(self.model.arch == "llama", "model.arch", "llama for recipe=draft", self.model.arch, "use model=draft")
 
     def _check_images(self) -> None:
         """The ViT recipe: image data, a from-scratch model, patches that tile the image."""

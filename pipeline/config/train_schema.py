@@ -11,6 +11,10 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
 DISTILL_MODES = ("cached", "online")
+DISTILL_SOURCES = (
+    "corpus",
+    "donor",
+)  # what text cached distillation reads: the train split, or the donor's continuations
 
 
 @dataclass
@@ -59,6 +63,8 @@ class DistillConfig:
     mode: str = "cached"  # cached | online
     context: int = 512  # cached mode: the donor's window; every cached position sees >= train.seq_len tokens
     cache_tokens: int = 262144  # cached mode: at most this many train positions (evenly spread spans); 0 = all
+    source: str = "corpus"  # cached mode: the text the donor is cached over: corpus | donor (its own continuations)
+    prompt_tokens: int = 32  # source=donor: train tokens each continuation starts from
 
     def __post_init__(self) -> None:
         check(0 <= self.weight <= 1, "train.distill.weight", "a value in [0, 1]", self.weight, "use 0 (off) to 1")
@@ -67,6 +73,8 @@ class DistillConfig:
         choice(self.mode, "train.distill.mode", DISTILL_MODES)
         integer(self.context, "train.distill.context", 2, "use e.g. 512 (more than train.seq_len)")
         integer(self.cache_tokens, "train.distill.cache_tokens", 0, "use 0 (the whole train split) or e.g. 262144")
+        choice(self.source, "train.distill.source", DISTILL_SOURCES)
+        integer(self.prompt_tokens, "train.distill.prompt_tokens", 1, "use e.g. 32 (fewer than train.seq_len)")
 
     @property
     def enabled(self) -> bool:
@@ -122,7 +130,15 @@ class TrainConfig:
         Not in __post_init__: the composed config first bounds seq_len by model.context_length (the real
         limit when seq_len is too large), then calls this; the teach stage and the loop call it too."""
         d = self.distill
-        if d.enabled and d.mode == "cached":
+        if d.enabled and d.mode == "cached" and d.source == "donor":
+            check(
+                d.prompt_tokens < self.seq_len,
+                "train.distill.prompt_tokens",
+                f"fewer than train.seq_len={self.seq_len} (each continuation is one window of train.seq_len + 1)",
+                d.prompt_tokens,
+                f"set train.distill.prompt_tokens to e.g. {self.seq_len // 4}",
+            )
+        elif d.enabled and d.mode == "cached":
             check(
                 d.context > self.seq_len,
                 "train.distill.context",

@@ -9,7 +9,12 @@ tokens[..p] (`ids.npy`, uint16 when the vocab fits, else int32), their full-soft
 float32). They are `.npy` files read back as read-only memmaps: batches gather their rows.
 When the train split is larger than `train.distill.cache_tokens`, the cache covers evenly spread
 spans of it (`spans`), whose tokens are kept beside it (`tokens.npy`): training draws its
-distillation windows from them (`pipeline.training.batches.MixedSampler`).
+distillation windows from them (`pipeline.training.batches.MixedSampler`). With `source: donor` the
+cached text is not the corpus but the donor's own greedy continuations of prompts taken from it
+(`pipeline.distill.continuations`): `tokens.npy` holds them end to end, `sequence` tokens each, and
+`spans` the prompts' places in the train split. Beside the donor's
+val loss, its greedy choice over the same val windows (`val_choice.npy`, int32, windows x seq_len)
+is what a student is scored against as the donor's draft model.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ IDS_FILE = "ids.npy"
 LOGPROBS_FILE = "logprobs.npy"
 TAIL_FILE = "tail.npy"
 TOKENS_FILE = "tokens.npy"
+VAL_CHOICE_FILE = "val_choice.npy"  # the donor's greedy choice at every position of the val windows
 FIX = "run: dvc repro teach"
 
 
@@ -52,6 +58,8 @@ class TeachMeta:
     precision: str = "bf16"  # what the donor ran in for the cache
     seconds: float = 0.0
     spans: list[list[int]] = field(default_factory=list)  # [start, end) of the train split cached; [] = all
+    source: str = "corpus"  # corpus: the spans' own text | donor: its greedy continuations of the spans (prompts)
+    sequence: int = 0  # source=donor: each continuation's length (train.seq_len + 1), laid end to end
 
     @property
     def cached(self) -> bool:
@@ -122,3 +130,9 @@ class TeacherCache:
             self.logprobs[rows].astype(np.float32),
             self.tail[rows].astype(np.float32),
         )
+
+
+def read_val_choice(teach_dir: Path) -> np.ndarray | None:
+    """The donor's greedy choices over the val windows, when the teach stage recorded them."""
+    path = Path(teach_dir) / VAL_CHOICE_FILE
+    return np.load(path) if path.is_file() else None

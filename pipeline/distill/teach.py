@@ -1,17 +1,19 @@
 """The teach stage: the donor's next-token distribution over the train split, cached once for
-distillation (`pipeline.distill.cache` is the format), and the donor's fp32 val loss: the yardstick
-evaluate reports every student against.
+distillation (`pipeline.distill.cache` is the format), and the donor's fp32 val loss and greedy
+choices: the yardsticks evaluate reports every student against (as a model and as a draft).
 
 The donor reads the train stream in overlapping windows of `train.distill.context` tokens that
 advance by `context - train.seq_len`, and only the positions after the overlap are kept, so every
 cached position (past the first window) sees at least `train.seq_len` tokens before it: as much
 as a training window ever gives the student. It runs with bf16 weights (1.5-2.6x faster than
 autocast over fp32 weights on this CPU; measured, see docs/distillation.md), the softmax in fp32.
+With `train.distill.source=donor` it caches its own greedy continuations of train prompts instead
+(`pipeline.distill.continuations`).
 
-With distillation off (`train.distill.weight=0`) the stage only measures the donor's val loss (a
-few seconds; none for instruction rows) and records `mode: off`; in online mode it records the
-fingerprints and the donor's val loss but caches nothing. Instruction rows have no token stream to
-cache: distillation on them is refused.
+With distillation off (`train.distill.weight=0`) the stage only measures the donor on val (a few
+seconds; none for instruction rows) and records `mode: off`; in online mode it records the
+fingerprints and the donor's val figures but caches nothing. Instruction rows have no token stream
+to cache: distillation on them is refused.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.data.packed import PackMeta, data_files, load_meta, load_split, spread_spans
-from pipeline.distill.cache import TOKENS_FILE, TeachMeta, create_arrays, write_meta
+from pipeline.distill.cache import TOKENS_FILE, VAL_CHOICE_FILE, TeachMeta, create_arrays, write_meta
+from pipeline.distill.continuations import build_continuations, sequences_for
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.io.files import atomic_dir, sha256_file
+from pipeline.models.llama import Llama
 from pipeline.models.ops.losses import head_targets
 from pipeline.models.registry import gguf_context_length
 from pipeline.models.transformer import DecoderLM
 from pipeline.progress import Progress
 from pipeline.training.batches import check_split_fits
-from pipeline.training.validation import evaluate_loss
+from pipeline.training.validation import scored_windows
 
 log = logging.getLogger(__name__)
 WINDOW_TOKENS = 2048  # donor tokens per forward: enough rows for the bf16 matmuls to run at speed
@@ -146,20 +150,12 @@ def run_teach(
         )
     check_teach(tcfg, pmeta, gguf_context_length(donor))  # before the donor's weights load
     model = load_donor(donor, pmeta.vocab_size).to(device)
-    _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
+    choice = _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
     cache_start, top_k_mass = time.perf_counter(), None
     with atomic_dir(out_dir) as tmp:
+        np.save(tmp / VAL_CHOICE_FILE, choice)
         if meta.cached:
-            tokens = load_split(packed_dir, "train")
-            meta.spans = cache_spans(len(tokens), tcfg.distill.cache_tokens)
-            if meta.spans:
-                tokens = np.concatenate([tokens[s:e] for s, e in meta.spans])
-                np.save(tmp / TOKENS_FILE, tokens)
-            meta.positions = len(tokens)
-            arrays = create_arrays(tmp, len(tokens), meta.top_k, pmeta.vocab_size)
-            build_cache(
-                model.to(torch.bfloat16) if precision == "bf16" else model, tokens, arrays, tcfg, device, progress
-            )
+            arrays = _cache(model, packed_dir, tmp, tcfg, meta, device, progress)
             for a in arrays:
                 a.flush()
             top_k_mass = float(1.0 - np.exp(arrays[2].astype(np.float64)).mean())
@@ -167,6 +163,39 @@ def run_teach(
         meta.seconds = time.perf_counter() - start
         write_meta(tmp, meta)
     return meta, _metrics(meta, time.perf_counter() - cache_start, top_k_mass)
+
+
+def _cache(
+    model: DecoderLM, packed_dir: Path, tmp: Path, tcfg: TrainConfig, meta: TeachMeta, device, progress: bool
+) -> tuple[np.ndarray, ...]:
+    """The cache's arrays (and tokens.npy when it covers spans or continuations), filled in `tmp`."""
+    tokens, d = load_split(packed_dir, "train"), tcfg.distill
+    if d.source == "donor":
+        refuse_non_llama(model)
+        meta.sequence = tcfg.seq_len + 1  # one training window each: the sampler draws them whole
+        n = sequences_for(d.cache_tokens, len(tokens), meta.sequence)
+        arrays = create_arrays(tmp, n * meta.sequence, meta.top_k, meta.vocab_size)
+        text, meta.spans = build_continuations(
+            model, tokens, n, d.prompt_tokens, meta.sequence, arrays, device, progress, meta.precision
+        )
+        np.save(tmp / TOKENS_FILE, text.astype(tokens.dtype))
+        meta.positions = len(text)
+        return arrays
+    meta.spans = cache_spans(len(tokens), d.cache_tokens)
+    if meta.spans:
+        tokens = np.concatenate([tokens[s:e] for s, e in meta.spans])
+        np.save(tmp / TOKENS_FILE, tokens)
+    meta.positions = len(tokens)
+    arrays = create_arrays(tmp, len(tokens), meta.top_k, meta.vocab_size)
+    build_cache(model.to(torch.bfloat16) if meta.precision == "bf16" else model, tokens, arrays, tcfg, device, progress)
+    return arrays
+
+
+def refuse_non_llama(model: DecoderLM) -> None:
+    """The donor's continuations are decoded by the llama decoder (a KV cache, batched)."""
+    if not isinstance(model, Llama):
+        found = f"a {type(model).__name__} donor"
+        raise ConfigError(problem("train.distill.source=donor", "a llama donor", found, "use source=corpus"))
 
 
 def _record_off(
@@ -180,14 +209,16 @@ def _record_off(
     start: float,
 ) -> dict[str, float]:
     """Distillation off: the meta with the donor's val loss (token corpora only), no cache."""
-    metrics = {"cached_positions": 0.0}
+    metrics, choice = {"cached_positions": 0.0}, None
     if pmeta.format == "tokens":
         check_limits([seq_len_limit(tcfg, gguf_context_length(donor))])  # before the donor's weights load
         model = load_donor(donor, pmeta.vocab_size).to(device)
-        _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
+        choice = _measure_donor(model, packed_dir, tcfg.seq_len, device, meta)
         metrics["donor_val_loss"] = float(meta.donor_val_loss)
     meta.seconds = time.perf_counter() - start
     with atomic_dir(out_dir) as tmp:
+        if choice is not None:
+            np.save(tmp / VAL_CHOICE_FILE, choice)
         write_meta(tmp, meta)
     return {**metrics, "seconds": meta.seconds}
 
@@ -210,17 +241,22 @@ def _new_meta(
         donor_sha256=donor_record["file"]["sha256"],
         donor_name=donor_record["file"]["name"],
         precision=precision,
+        source=d.source if d.enabled and d.mode == "cached" else "corpus",
     )
 
 
-def _measure_donor(model: DecoderLM, packed_dir: Path, seq_len: int, device: torch.device, meta: TeachMeta) -> None:
-    """The donor's fp32 val loss over evaluate's windows (the weights are still fp32 here), into `meta`."""
+def _measure_donor(
+    model: DecoderLM, packed_dir: Path, seq_len: int, device: torch.device, meta: TeachMeta
+) -> np.ndarray:
+    """The donor's fp32 val loss over evaluate's windows (the weights are still fp32 here), into
+    `meta`; returns its greedy choices there (a draft model's targets)."""
     val = load_split(packed_dir, "val")
     check_split_fits(len(val), "val", 1, seq_len)
-    meta.donor_val_loss = evaluate_loss(model, val, seq_len, VAL_BATCH, device)
+    meta.donor_val_loss, choice = scored_windows(model, val, seq_len, VAL_BATCH, device)
     meta.donor_val_tokens = (len(val) - 1) // seq_len * seq_len
     meta.val_sha256 = sha256_file(data_files(packed_dir)[2])
     log.info(f"teach: donor val loss {meta.donor_val_loss:.4f} (fp32, windows of {seq_len})")
+    return choice
 
 
 def _metrics(meta: TeachMeta, cache_seconds: float, top_k_mass: float | None) -> dict[str, float]:

@@ -8,6 +8,7 @@ fine-tune the base GGUF's NLL on the same rows is measured beside it.
 from __future__ import annotations
 
 import gc
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,13 @@ from pipeline.data.instruct import Formatter, read_instruct_jsonl
 from pipeline.data.packed import Packed, data_files, is_rows, load_data, load_meta
 from pipeline.distill.cache import META_FILE as TEACH_META
 from pipeline.distill.cache import read_meta as read_teach_meta
-from pipeline.errors import PipelineError
+from pipeline.distill.cache import read_val_choice
+from pipeline.errors import ConfigError, PipelineError, problem
 from pipeline.evaluate.parity import check_parity, our_logits, parity_windows
+from pipeline.evaluate.quantized import quant_metrics
+from pipeline.gguf.quantize import K_QUANTS, llamacpp_installed
 from pipeline.inference.sampling import generate_ids
+from pipeline.inference.speculative import draft_acceptance
 from pipeline.io.files import sha256_file
 from pipeline.io.modeldir import read_train_state
 from pipeline.models.registry import load_gguf
@@ -31,7 +36,9 @@ from pipeline.tokenizer.chat_template import default_stop_ids
 from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.training.batches import check_split_fits
 from pipeline.training.runtime import pick_device, trim_freed_memory
-from pipeline.training.validation import response_nll, validation_loss
+from pipeline.training.validation import response_nll, scored_windows, validation_loss
+
+log = logging.getLogger(__name__)
 
 # f32 export: the re-read model must reproduce the train stage's val loss this closely
 F32_TOLERANCE = 1e-3
@@ -55,13 +62,16 @@ def run_evaluate(
     fine-tune, and greedy answers of both to the first held-out prompts.
 
     With llama-cpp-python installed, also llama.cpp's agreement with us on the first val windows
-    (pipeline.evaluate.parity; a mean KL above `evaluate.llamacpp_max_kl` fails).
+    (pipeline.evaluate.parity; a mean KL above `evaluate.llamacpp_max_kl` fails). Running text with
+    `evaluate.quant_types`: the export quantized to each type, scored beside it
+    (pipeline.evaluate.quantized).
 
     One model at a time (the stage's peak RSS, docs/finetuning.md): the tuned model does all its
     work and is freed, then llama.cpp loads the file, then the base. `val_sha256`: the val file's,
     when the caller has hashed it already (the stage, for its val_data tag).
     """
     dev = pick_device(cfg.train.device)
+    check_quant_types(cfg.evaluate.quant_types)  # before any model loads
     val = load_data(packed_dir, "val")
     if not is_rows(val):  # as train and teach check it: at least one window of train.seq_len to score
         check_split_fits(len(val), "val", 1, cfg.train.seq_len)
@@ -74,7 +84,13 @@ def run_evaluate(
     if not is_rows(val):
         metrics.update(reference_metrics(metrics["val_loss"], packed_dir, teach_dir, cfg.train.seq_len, val_sha256))
         metrics.update(gap_closed(metrics, cfg.evaluate.baseline_val_loss))
-    elif cfg.recipe.finetune:
+        if "donor_val_loss" in metrics:  # the teach stage scored the donor on these same windows
+            metrics.update(draft_metrics(tuned.choice, teach_dir))
+        ev = cfg.evaluate
+        metrics.update(quant_metrics(gguf, ev.quant_types, val, cfg.train.seq_len, cfg.train.batch_size, dev, windows))
+    elif cfg.evaluate.quant_types:
+        log.info("evaluate: evaluate.quant_types skipped (instruction rows: running text only for now)")
+    if is_rows(val) and cfg.recipe.finetune:
         metrics.update(_base(donor, val, tuned, cfg, dev))
     return metrics, tuned.samples
 
@@ -88,6 +104,7 @@ class _Tuned:
     logits: list[torch.Tensor]  # ours over the parity windows, for llama.cpp to be compared with
     tok: GGUFTokenizer
     prompts: list[list[int]]  # instruct data: the formatted held-out prompts the base answers too
+    choice: np.ndarray | None = None  # running text: its greedy choice at every val window position
 
 
 def _tuned(
@@ -103,11 +120,11 @@ def _tuned(
     model, g = load_gguf(gguf)
     g.release_pages()  # the weights are copied out; the file's pages would count a second time
     model.to(dev)
-    metrics = _val_metrics(model, val, cfg, dev, train_dir, gguf)
+    metrics, choice = _val_metrics(model, val, cfg, dev, train_dir, gguf)
     logits = our_logits(model, windows)
     tok = tokenizer_from_gguf(g)
     if not is_rows(val):
-        return _Tuned(metrics, _text_samples(model, tok, cfg.evaluate), logits, tok, [])
+        return _Tuned(metrics, _text_samples(model, tok, cfg.evaluate), logits, tok, [], choice)
     examples = read_instruct_jsonl(Path(packed_dir) / "val.jsonl")[: len(cfg.evaluate.prompts)]
     fmt = Formatter(tok, g.metadata, cfg.data)
     prompts = [fmt.encode(ex)[0] for ex in examples]
@@ -140,6 +157,20 @@ def _answer(model: nn.Module, tok: GGUFTokenizer, ids: list[int], max_new_tokens
     return tok.decode(generate_ids(model, ids, max_new_tokens, stop_ids=default_stop_ids(tok, chat=True)))
 
 
+def check_quant_types(types: list[str]) -> None:
+    """K-quants are written by llama.cpp's quantizer: without llama-cpp-python, one named line."""
+    missing = [t for t in types if t in K_QUANTS]
+    if missing and not llamacpp_installed():
+        raise ConfigError(
+            problem(
+                "config key evaluate.quant_types",
+                f"llama-cpp-python installed for {', '.join(missing)} (llama.cpp's quantizer writes K-quants)",
+                "no llama_cpp module",
+                "`make llamacpp`, or list only q8_0/q5_1/q5_0/q4_1/q4_0",
+            )
+        )
+
+
 def release_memory() -> None:
     """Hand freed memory back to the OS: collect cycles, then (glibc) return the heap's free pages,
     which a freed model's many mid-sized tensors otherwise keep in RSS."""
@@ -149,13 +180,19 @@ def release_memory() -> None:
 
 def _val_metrics(
     model: nn.Module, val: np.ndarray | Packed, cfg: PipelineConfig, dev: torch.device, train_dir: Path, gguf: Path
-) -> dict[str, float]:
-    """The val loss, checked against the train stage's for the weights it kept (to 1e-3 for an f32 export)."""
-    val_loss = validation_loss(model, val, cfg.train.seq_len, cfg.train.batch_size, dev)
+) -> tuple[dict[str, float], np.ndarray | None]:
+    """The val loss, checked against the train stage's for the weights it kept (to 1e-3 for an f32
+    export), and on running text the greedy choices over its windows."""
+    seq_len, batch = cfg.train.seq_len, cfg.train.batch_size
+    choice = None
+    if is_rows(val):
+        val_loss = validation_loss(model, val, seq_len, batch, dev)
+    else:
+        val_loss, choice = scored_windows(model, val, seq_len, batch, dev)
     metrics = {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
     state = read_train_state(train_dir)
     if state is None:
-        return metrics
+        return metrics, choice
     trained, diff = state.val_loss, abs(val_loss - state.val_loss)
     metrics.update(trained_val_loss=trained, val_loss_abs_diff=diff)
     if state.kept_step is not None:
@@ -165,7 +202,17 @@ def _val_metrics(
             f"{gguf}: expected val loss {trained:.6f} (train stage) within {F32_TOLERANCE}, "
             f"found {val_loss:.6f}; fix: the export does not reproduce the trained model, re-run export"
         )
-    return metrics
+    return metrics, choice
+
+
+def draft_metrics(choice: np.ndarray | None, teach_dir: Path | None) -> dict[str, float]:
+    """This model as its donor's draft: agreement with the donor's greedy choices over the val
+    windows (recorded by the teach stage) and the mean accepted run for draft lengths 1..8."""
+    donor = None if choice is None or teach_dir is None else read_val_choice(teach_dir)
+    if donor is None or donor.shape != choice.shape:
+        return {}
+    m = draft_acceptance(donor, choice)
+    return {k: v for k, v in m.items() if not k.startswith("draft_tokens_per_call")}
 
 
 def reference_metrics(

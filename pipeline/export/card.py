@@ -30,7 +30,7 @@ class CardFacts:
     kept_step: int | None = None
     has_adapters: bool = False
     mlflow_run_id: str = ""
-    base_file: str = "base.gguf"  # the GGUF the adapter was trained on (the donor's file name)
+    base_file: str = "base.gguf"  # the donor's file name: an adapter's base, a student's draft target
 
 
 def front_matter(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: CardFacts) -> dict:
@@ -99,6 +99,14 @@ def model_card(meta: Metadata, donor: DonorIdentity, ship: ShipInfo, facts: Card
         f"template)\nllama-server -m {facts.file} --port 8080   # OpenAI-compatible server\n"
         "pip install 'llama-cpp-python[server]'   # its server needs the extra (plain llama-cpp-python lacks it)\n"
         f"python -m llama_cpp.server --model {facts.file}   # the same from llama-cpp-python\n```\n",
+        ""
+        if ship.finetune
+        else (
+            f"It shares its donor's vocabulary id for id, so it can draft for the donor (speculative "
+            f"decoding: the donor's own greedy text, fewer donor forwards; evaluate's `draft_*` metrics say how "
+            f"often the donor accepts its drafts):\n\n```bash\nllama-server -m {facts.base_file} -md {facts.file} "
+            f"--draft-max 4   # {donor.model_id}, drafted by this model\n```\n"
+        ),
         "## Run it with transformers\n",
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'tok = AutoTokenizer.from_pretrained(".", gguf_file="{facts.file}")\n'

@@ -88,6 +88,10 @@ def check_teach(cfg: PipelineConfig, teach_dir: Path, packed_dir: Path, inputs_d
         raise mismatch("train.distill.weight", 0.0, d.weight, record)
     if meta.mode != d.mode:
         raise mismatch("train.distill.mode", meta.mode, d.mode, record)
+    if d.mode == "cached" and meta.source != d.source:
+        raise mismatch("train.distill.source", meta.source, d.source, record)
+    if meta.source == "donor" and meta.sequence != cfg.train.seq_len + 1:  # its windows are drawn whole
+        raise mismatch("train.seq_len", meta.sequence - 1, cfg.train.seq_len, record)
     donor = read_record(inputs_dir)
     if d.mode == "online" and donor["path"] != cfg.donor.path:
         raise mismatch("donor.path", donor["path"], cfg.donor.path, Path(inputs_dir) / "donor.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.evaluate.metric_names import QUANT_PREFIX, quant_types_of
 from pipeline.report.content import Block, Figure, Report, Section, Table, fmt, key_value_table
 from pipeline.report.figures import (
     OTHER_RECIPE,
@@ -46,7 +47,8 @@ class ReportInputs:
 
 
 def build_report(inp: ReportInputs) -> Report:
-    sections = [summary(inp), training(inp.outputs), donor(inp.outputs), comparison(inp), stages(inp)]
+    sections = [summary(inp), training(inp.outputs), donor(inp.outputs), quantized(inp.outputs)]
+    sections += [draft(inp.outputs), comparison(inp), stages(inp)]
     sections += [samples(inp.outputs), Section("Environment", tables=[key_value_table(inp.environment)])]
     return Report(f"Pipeline report: recipe {inp.recipe}", [s for s in sections if s is not None])
 
@@ -109,6 +111,43 @@ def donor(out: Outputs) -> Section | None:
     width = f" (of {len(rows)}, the donor's width)" if kept != len(rows) else ""
     text = [f"The {kept} kept principal directions of the donor's {what}{width} hold {total:.1%} of its variance."]
     return Section("Donor", text, figures=[variance_chart(rows, what, kept)])
+
+
+def quantized(out: Outputs) -> Section | None:
+    """The export at each of evaluate.quant_types: size on disk against loss, by us and by llama.cpp."""
+    ev = out.metrics.get("evaluate", {})
+    types = quant_types_of(ev)
+    if not types:
+        return None
+    size = out.metrics.get("export", {}).get("file_bytes")
+    rows = [["export", fmt(size / 1e6 if size else None), fmt(ev.get("val_loss")), "0", "0", "", ""]]
+    for t in types:
+        k = f"{QUANT_PREFIX}{t}_"
+        figures = ("mb", "val_loss", "val_loss_rise", "kl", "ours_window_loss", "llamacpp_window_loss")
+        rows.append([t, *(fmt(ev.get(k + f)) for f in figures)])
+    text = [
+        "The export quantized to each of `evaluate.quant_types` and scored on the same val windows: the loss "
+        "rise over the export and the mean KL(export || quantized) per token; the last two columns score the "
+        "same file over the llama.cpp parity windows by our reader and by llama.cpp."
+    ]
+    head = ["type", "MB", "val loss", "rise", "KL", "ours (windows)", "llama.cpp (windows)"]
+    return Section("Quantized", text, [Table(head, rows)])
+
+
+def draft(out: Outputs) -> Section | None:
+    """The student as its donor's draft model (speculative decoding), from evaluate's agreement with
+    the donor's greedy choices over the val windows."""
+    ev = out.metrics.get("evaluate", {})
+    ks = [k for k in range(1, 9) if f"draft_accepted_k{k}" in ev]
+    if "draft_top1_agreement" not in ev or not ks:
+        return None
+    text = [
+        f"Over the val windows this model's greedy choice equals the donor's at {ev['draft_top1_agreement']:.1%} "
+        "of positions. With draft length k, each donor forward would keep the accepted drafts plus its own "
+        "token (the upper bound of the speedup, before the draft's own cost):"
+    ]
+    rows = [[str(k), fmt(ev[f"draft_accepted_k{k}"]), fmt(ev[f"draft_accepted_k{k}"] + 1)] for k in ks]
+    return Section("As a draft model", text, [Table(["k", "accepted drafts", "tokens per donor forward"], rows)])
 
 
 def comparison(inp: ReportInputs) -> Section:

@@ -29,15 +29,20 @@ log = logging.getLogger(__name__)
 
 
 class BatchSampler:
-    """Random windows of `seq_len + 1` tokens from a memmapped split, from a seeded generator."""
+    """Random windows of `seq_len + 1` tokens from a memmapped split, from a seeded generator; with
+    `whole=True` the data is windows laid end to end (the donor's continuations) drawn whole."""
 
-    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int):
-        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+    def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int, whole: bool = False):
+        self.data, self.batch_size, self.seq_len, self.whole = data, batch_size, seq_len, whole
         self.rng = np.random.default_rng(seed)
         self.starts = np.zeros(0, dtype=np.int64)  # the offsets of the last batch's windows
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size, endpoint=True)
+        if self.whole:
+            n = len(self.data) // (self.seq_len + 1)
+            starts = self.rng.integers(0, n, size=self.batch_size) * (self.seq_len + 1)
+        else:
+            starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size, endpoint=True)
         self.starts = starts
         rows = np.stack([np.asarray(self.data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
         t = torch.from_numpy(rows)
@@ -94,7 +99,10 @@ class MixedSampler:
 
 def distill_share(positions: int, tcfg: TrainConfig) -> float:
     """The share of micro-batches that distil: the cached positions over the tokens the run reads
-    (at most 1: a cache at least that large serves every batch)."""
+    (at most 1: a cache at least that large serves every batch). With weight 1 the data's own next
+    token is no target at all, so every batch distils, reading the cache as often as it takes."""
+    if tcfg.distill.weight >= 1.0:
+        return 1.0
     return min(1.0, positions / (tcfg.steps * tcfg.grad_accum * tcfg.batch_size * tcfg.seq_len))
 
 
@@ -169,7 +177,8 @@ def make_sampler(
         return windows
     if teacher.tokens is None:
         return DistillSampler(windows, teacher, tcfg.distill.top_k)
-    spans = BatchSampler(teacher.tokens, tcfg.batch_size, tcfg.seq_len, seed + 1)
+    whole = teacher.meta.source == "donor"  # its continuations are one window each
+    spans = BatchSampler(teacher.tokens, tcfg.batch_size, tcfg.seq_len, seed + 1, whole)
     return MixedSampler(
         windows, DistillSampler(spans, teacher, tcfg.distill.top_k), distill_share(len(spans.data), tcfg)
     )
@@ -319,8 +328,16 @@ def check_distill(train_data: Any, tcfg: TrainConfig, teacher: object) -> None:
     tcfg.check_distill_context()
     if not isinstance(teacher, TeacherCache):
         raise ConfigError(problem("cached distillation", "the teach stage's cache", type(teacher).__name__, "pass it"))
-    spans = teacher.meta.spans
+    spans, sequence = teacher.meta.spans, teacher.meta.sequence
     covered = sum(e - s for s, e in spans) if spans else len(train_data)
+    if teacher.meta.source == "donor":  # one continuation of `sequence` tokens per prompt span
+        covered = len(spans) * sequence
+        if sequence != tcfg.seq_len + 1:
+            fix = f"set train.seq_len={sequence - 1}, or re-run: dvc repro teach"
+            found = f"train.seq_len={tcfg.seq_len}"
+            raise ConfigError(
+                problem(str(teacher.dir), f"continuations of train.seq_len={sequence - 1} + 1", found, fix)
+            )
     if teacher.meta.positions != covered or (spans and spans[-1][1] > len(train_data)):
         raise DataError(
             problem(

@@ -33,9 +33,17 @@ def validation_loss(
     return evaluate_loss(model, data, seq_len, batch_size, device)
 
 
-@torch.no_grad()
 def evaluate_loss(model: nn.Module, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device) -> float:
     """Token-weighted mean NLL over consecutive non-overlapping windows of the whole split, fp32."""
+    return scored_windows(model, data, seq_len, batch_size, device)[0]
+
+
+@torch.no_grad()
+def scored_windows(
+    model: nn.Module, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device
+) -> tuple[float, np.ndarray]:
+    """`evaluate_loss` and the model's greedy choice (int32, windows x seq_len) at every position of
+    those windows: what a draft model is judged by against its target (inference.speculative)."""
     was_training = model.training
     model.eval()
     n = (len(data) - 1) // seq_len
@@ -44,14 +52,15 @@ def evaluate_loss(model: nn.Module, data: np.ndarray, seq_len: int, batch_size: 
     tokens = np.asarray(data[: n * seq_len + 1], dtype=np.int64)
     x_all = torch.from_numpy(tokens[:-1].reshape(n, seq_len))
     y_all = torch.from_numpy(tokens[1:].reshape(n, seq_len))
-    total, count = 0.0, 0
+    total, count, choices = 0.0, 0, []
     for i in range(0, n, batch_size):
         x, y = x_all[i : i + batch_size].to(device), y_all[i : i + batch_size].to(device)
         logits = model(x).float()
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        choices.append(logits.argmax(-1).to(torch.int32).cpu().numpy())
         count += y.numel()
     model.train(was_training)
-    return total / count
+    return total / count, np.concatenate(choices)
 
 
 @torch.no_grad()
