@@ -27,12 +27,13 @@ from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 
 log = logging.getLogger(__name__)
+WRITER_KEYS = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 
 
 def write_quantized(export: Path, dtype: str, dst: Path) -> Path:
     """`export` (an f32 GGUF) written again at `dtype`, keys and tokenizer kept, as export.dtype would."""
     model, g = load_gguf(export)
-    keep = {k: g.typed_field(k) for k in g.metadata if k.startswith(("general.", "pipeline."))}
+    keep = {k: g.typed_field(k) for k in g.metadata if k.startswith(("general.", "pipeline.")) and k not in WRITER_KEYS}
     return export_gguf(model, dst, donor_tokenizer_metadata(g), keep, dtype)
 
 
