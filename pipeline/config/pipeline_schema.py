@@ -88,6 +88,8 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         choice(self.output, "output", ("text", "quiet", "json"))
+        if self.train.qat:
+            self._check_qat()
         if self.model.arch == "vit" or self.data.images:
             self._check_images()
             return
@@ -105,6 +107,25 @@ class PipelineConfig:
         self.train.check_distill_context()
         if self.recipe.name == "draft":
             self._check_draft()
+
+    def _check_qat(self) -> None:
+        """QAT trains to one file: the export at the same type, of a whole model trained by AdamW."""
+        qat = self.train.qat
+        check(
+            self.export.dtype == qat,
+            "export.dtype",
+            f"{qat}, the type train.qat trains to",
+            self.export.dtype,
+            f"set export.dtype={qat}",
+        )
+        check(
+            self.recipe.trainable == "all",
+            "train.qat",
+            f"off for adapters (recipe.trainable={self.recipe.trainable}): their base is frozen",
+            qat,
+            "set train.qat=''",
+        )
+        check(self.optim.name == "adamw", "train.qat", "off for optim=lbfgs", qat, "use optim=adamw")
 
     def _check_draft(self) -> None:
         """recipe=draft learns the donor's greedy choices from its cached distribution over running text,

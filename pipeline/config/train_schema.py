@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
 DISTILL_MODES = ("cached", "online")
+QAT_TYPES = ("", "q8_0", "q4_0")  # train.qat: the export types whose blocks training can see (pipeline.training.qat)
 DISTILL_SOURCES = (
     "corpus",
     "donor",
@@ -108,6 +109,8 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
     skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
     parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
+    qat: str = ""  # quantization-aware training to the export's type: "" (off) | q8_0 | q4_0
+    qat_start: float = 0.5  # train.qat: from this fraction of the steps on
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
@@ -124,6 +127,14 @@ class TrainConfig:
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
         choice(self.parallel, "train.parallel", PARALLEL)
+        check(
+            self.qat in QAT_TYPES,
+            "train.qat",
+            "'' (off), q8_0 or q4_0",
+            self.qat,
+            "use q8_0 or q4_0 (K-quants: not yet)",
+        )
+        check(0 <= self.qat_start < 1, "train.qat_start", "a fraction in [0, 1)", self.qat_start, "use e.g. 0.5")
 
     def check_distill_context(self) -> None:
         """Cached distillation's windows advance by context - seq_len, so the context must exceed seq_len.

@@ -182,7 +182,7 @@ def _val_metrics(
     model: nn.Module, val: np.ndarray | Packed, cfg: PipelineConfig, dev: torch.device, train_dir: Path, gguf: Path
 ) -> tuple[dict[str, float], np.ndarray | None]:
     """The val loss, checked against the train stage's for the weights it kept (to 1e-3 for an f32
-    export), and on running text the greedy choices over its windows."""
+    export, or one at the type train.qat trained to), and on running text the greedy choices over its windows."""
     seq_len, batch = cfg.train.seq_len, cfg.train.batch_size
     choice = None
     if is_rows(val):
@@ -197,7 +197,7 @@ def _val_metrics(
     metrics.update(trained_val_loss=trained, val_loss_abs_diff=diff)
     if state.kept_step is not None:
         metrics["kept_step"] = float(state.kept_step)
-    if cfg.export.dtype == "f32" and diff > F32_TOLERANCE:
+    if cfg.export.dtype in ("f32", cfg.train.qat) and diff > F32_TOLERANCE:  # QAT: it trained on these weights
         raise PipelineError(
             f"{gguf}: expected val loss {trained:.6f} (train stage) within {F32_TOLERANCE}, "
             f"found {val_loss:.6f}; fix: the export does not reproduce the trained model, re-run export"

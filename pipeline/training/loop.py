@@ -33,6 +33,7 @@ from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
 from pipeline.training.graphed import GraphedStep, wants_graphs
 from pipeline.training.optim import clip_gradients, gradient_norm, lbfgs_step, lr_at, nonfinite_message, set_lr
+from pipeline.training.qat import QuantSwap
 from pipeline.training.queued import QueuedSteps, defers, nonfinite
 from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
@@ -53,8 +54,7 @@ LogFn = Callable[[dict[str, float], int], None]
 log = logging.getLogger(__name__)
 
 
-def _ignore(*_: Any) -> None:
-    return None
+def _ignore(*_: Any) -> None: ...
 
 
 @dataclass
@@ -174,6 +174,7 @@ class _Run:
         one = not self.info.enabled
         self.graphs = wants_graphs(tcfg, model, self.device, not self.rows, self.queue is not None, one)
         self.graph: GraphedStep | None = None
+        self.qat = QuantSwap(model, tcfg.qat, int(tcfg.qat_start * tcfg.steps))
         self.started = time.perf_counter()
 
     def log(self, row: dict[str, float], step: int) -> None:
@@ -181,23 +182,21 @@ class _Run:
             self.hooks.log(row, step)
 
     def stop_agreed(self, asked: bool) -> bool:
-        """Whether every rank stops after this step. The ranks agree by an all-reduce that waits for the
-        device, so a queued run under DDP votes only right after its figures were read (nothing queued:
-        the wait is already paid; every rank reads at the same steps): a stop asked in between takes effect
-        at the next such step."""
+        """Whether every rank stops after this step, agreed by an all-reduce that waits for the device: a
+        queued run under DDP votes only right after its figures were read (a stop asked in between takes
+        effect at the next such step; every rank reads at the same steps)."""
         if self.info.enabled and self.queue is not None and self.queue.rows:
             return False
         return dist.any_rank(asked, self.info, self.device)
 
     def validate(self) -> dict[str, float]:
-        """`val_loss` (and `val_accuracy` for images). On CPU the heap's free pages go back first: the
-        step just done left them fragmented, and validation's large blocks (fp32 logits, a quantized
-        table rebuilt) would otherwise grow the heap past the step's own peak."""
+        """`val_loss` (and `val_accuracy` for images). On CPU the heap's free pages go back first: else
+        validation's large blocks (fp32 logits) grow the fragmented heap past the step's own peak."""
         if self.device.type == "cpu":
             trim_freed_memory()
-        return validation_metrics(
-            self.session.eval_module, self.val_data, self.tcfg.seq_len, self.tcfg.batch_size, self.device
-        )
+        module, t = self.session.eval_module, self.tcfg
+        with self.qat.swapped(None):  # with train.qat, the weights the export will hold
+            return validation_metrics(module, self.val_data, t.seq_len, t.batch_size, self.device)
 
     def step(self, step: int) -> tuple[dict[str, float], bool]:
         """One optimizer step on this step's (accumulated) batches; its log row, and whether an epoch ended."""
@@ -210,10 +209,12 @@ class _Run:
         if self.optim.name == "lbfgs":
             loss, grad_norm = lbfgs_step(opt, lambda: self._forward_backward(batches), params, self.optim.grad_clip)
         elif self.queue is not None:  # nothing read here: see `queued` (and `graphed`)
-            loss, grad_norm, opt.found_inf = self._graphed(batches) if self.graphs else self._queued_step(batches)
+            with self.qat.swapped(step):
+                loss, grad_norm, opt.found_inf = self._graphed(batches) if self.graphs else self._queued_step(batches)
             opt.step()
         else:
-            loss = float(self._forward_backward(batches))
+            with self.qat.swapped(step):  # train.qat: forward and backward on the export's weights
+                loss = float(self._forward_backward(batches))
             grad_norm = clip_gradients(params, self.optim.grad_clip)
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 opt.step()

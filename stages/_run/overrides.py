@@ -54,7 +54,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len"),
     "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout"),
-    "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "recipe.init", "donor.path", "data"),
+    "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "train.qat", "recipe.init", "donor.path", "data"),
     "report": ("report", "recipe.name"),
 }
 EVERY_STAGE = ("tracking", "output")  # how a stage reports, never what it computes
