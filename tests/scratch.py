@@ -33,6 +33,7 @@ eval_every: 3
 log_every: 1
 device: cpu
 threads: 0
+qat: ''                  # DVC's params must all be in params.yaml (evaluate declares train.qat)
 distill:                 # DVC's params must all be in params.yaml (the teach stage declares these)
   weight: 0.0
   temperature: 1.0
