@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from pipeline.evaluate.metric_names import QUANT_PREFIX
 from pipeline.evaluate.parity import iter_llamacpp_scores
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
+from pipeline.training.validation import evaluate_loss
 
 log = logging.getLogger(__name__)
 WRITER_KEYS = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
@@ -65,6 +67,17 @@ def window_loss(logits: list[torch.Tensor], windows: list[list[int]]) -> float:
     return total / count
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """What every type is scored on: the val split's windows, and the parity windows llama.cpp runs."""
+
+    val: np.ndarray
+    seq_len: int
+    batch: int
+    device: torch.device
+    parity: list[list[int]]
+
+
 def quant_metrics(
     export: Path,
     types: list[str],
@@ -80,42 +93,33 @@ def quant_metrics(
     ref, g = load_gguf(export)
     g.release_pages()
     ref.to(device).eval()
-    base = loss_and_kl(ref, ref, val, seq_len, batch, device)[0]
+    on = _Windows(val, seq_len, batch, device, windows)
+    base = evaluate_loss(ref, val, seq_len, batch, device)
     metrics: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="quant-") as tmp:
         for dtype in types:
             path = write_quantized(export, dtype, Path(tmp) / f"{dtype}.gguf")
-            metrics.update(_one_type(ref, base, path, dtype, val, seq_len, batch, device, windows))
+            metrics.update(_one_type(ref, base, path, dtype, on))
             path.unlink()
     return metrics
 
 
-def _one_type(
-    ref: nn.Module,
-    base: float,
-    path: Path,
-    dtype: str,
-    val: np.ndarray,
-    seq_len: int,
-    batch: int,
-    device: torch.device,
-    windows: list[list[int]],
-) -> dict[str, float]:
+def _one_type(ref: nn.Module, base: float, path: Path, dtype: str, on: _Windows) -> dict[str, float]:
     quant, g = load_gguf(path)
     g.release_pages()
-    quant.to(device).eval()
-    loss, kl = loss_and_kl(ref, quant, val, seq_len, batch, device)
+    quant.to(on.device).eval()
+    loss, kl = loss_and_kl(ref, quant, on.val, on.seq_len, on.batch, on.device)
     key = f"{QUANT_PREFIX}{dtype}_"
     out = {f"{key}val_loss": loss, f"{key}val_loss_rise": loss - base, f"{key}kl": kl}
     out[f"{key}mb"] = path.stat().st_size / 1e6
-    if windows:  # the same windows through llama.cpp and through our reading of the same file
+    if on.parity:  # the same windows through llama.cpp and through our reading of the same file
         with torch.no_grad():
-            ours = [quant(torch.tensor([ids], device=device))[0].float().cpu() for ids in windows]
-        theirs = [torch.from_numpy(s) for s in iter_llamacpp_scores(path, windows)]
-        out[f"{key}ours_window_loss"] = window_loss(ours, windows)
-        out[f"{key}llamacpp_window_loss"] = window_loss(theirs, windows)
+            ours = [quant(torch.tensor([ids], device=on.device))[0].float().cpu() for ids in on.parity]
+        theirs = [torch.from_numpy(s) for s in iter_llamacpp_scores(path, on.parity)]
+        out[f"{key}ours_window_loss"] = window_loss(ours, on.parity)
+        out[f"{key}llamacpp_window_loss"] = window_loss(theirs, on.parity)
     log.info(
         f"evaluate: {dtype} ({out[f'{key}mb']:.1f} MB): val loss {loss:.4f} (+{loss - base:.4f} over the export), "
-        f"KL {kl:.2e}" + (f", llama.cpp {out[f'{key}llamacpp_window_loss']:.4f} on its windows" if windows else "")
+        f"KL {kl:.2e}" + (f", llama.cpp {out[f'{key}llamacpp_window_loss']:.4f} on its windows" if on.parity else "")
     )
     return out
