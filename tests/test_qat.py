@@ -70,7 +70,8 @@ def test_a_qat_run_exports_exactly_the_weights_it_validated(smollm2: GGUFFile, t
 def test_qat_refusals_name_the_key() -> None:
     for overrides, key in (
         (["train.qat=q4_0"], "export.dtype"),
-        (["train.qat=q4_k_m", "export.dtype=q4_k_m"], "train.qat"),
+        (["train.qat=q3_k", "export.dtype=q4_k_m"], "train.qat"),
+        (["train.qat=q4_k_m", "export.dtype=q4_k_m", "recipe.init=lens"], "train.qat"),
         (["train.qat=q4_0", "export.dtype=q4_0", "train.qat_start=1"], "train.qat_start"),
         (["preset=lora", "train.qat=q8_0", "export.dtype=q8_0"], "train.qat"),
     ):

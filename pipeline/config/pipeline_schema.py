@@ -126,6 +126,11 @@ class PipelineConfig:
             "set train.qat=''",
         )
         check(self.optim.name == "adamw", "train.qat", "off for optim=lbfgs", qat, "use optim=adamw")
+        if qat in ("q8_0", "q4_0"):
+            return
+        where = f"model.arch={self.model.arch}, recipe.init={self.recipe.init}"
+        k_ok = self.model.arch in ("llama", "gpt2") and self.recipe.init != "lens"
+        check(k_ok, "train.qat", f"{qat}: a llama or gpt2 without a lens (llama.cpp's mix)", where, "use q8_0 or q4_0")
 
     def _check_draft(self) -> None:
         """recipe=draft learns the donor's greedy choices from its cached distribution over running text,

@@ -11,7 +11,8 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
 DISTILL_MODES = ("cached", "online")
-QAT_TYPES = ("", "q8_0", "q4_0")  # train.qat: the export types whose blocks training can see (pipeline.training.qat)
+# train.qat: the export types whose blocks training can see (pipeline.training.qat)
+QAT_TYPES = ("", "q8_0", "q4_0", "q6_k", "q5_k_m", "q4_k_m")
 DISTILL_SOURCES = (
     "corpus",
     "donor",
@@ -109,7 +110,7 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest valid compatible checkpoint) | never | path to a checkpoint dir
     skip_nonfinite: bool = False  # true: skip a step with a non-finite loss/gradient instead of stopping
     parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
-    qat: str = ""  # quantization-aware training to the export's type: "" (off) | q8_0 | q4_0
+    qat: str = ""  # quantization-aware training to the export's type: "" (off) | q8_0 | q4_0 | q6_k | q5_k_m | q4_k_m
     qat_start: float = 0.5  # train.qat: from this fraction of the steps on
     distill: DistillConfig = field(default_factory=DistillConfig)
 
@@ -130,9 +131,9 @@ class TrainConfig:
         check(
             self.qat in QAT_TYPES,
             "train.qat",
-            "'' (off), q8_0 or q4_0",
+            "'' (off), q8_0, q4_0, q6_k, q5_k_m or q4_k_m",
             self.qat,
-            "use q8_0 or q4_0 (K-quants: not yet)",
+            "use one of them (= export.dtype)",
         )
         check(0 <= self.qat_start < 1, "train.qat_start", "a fraction in [0, 1)", self.qat_start, "use e.g. 0.5")
 

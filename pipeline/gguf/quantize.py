@@ -32,12 +32,12 @@ def llamacpp_installed() -> bool:
         return False
 
 
-def require_llamacpp(dtype: str) -> None:
-    """A K-quant asked for without llama-cpp-python: one named line with the fix."""
+def require_llamacpp(dtype: str, key: str = "export.dtype") -> None:
+    """A K-quant asked for (by config key `key`) without llama-cpp-python: one named line with the fix."""
     if not llamacpp_installed():
         raise ConfigError(
             problem(
-                "config key export.dtype",
+                f"config key {key}",
                 f"llama-cpp-python installed for {dtype} (K-quants are written by llama.cpp's quantizer)",
                 "no llama_cpp module",
                 "`make llamacpp` (or pip install llama-cpp-python), or use q8_0/q5_1/q5_0/q4_1/q4_0",

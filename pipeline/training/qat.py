@@ -1,4 +1,4 @@
-"""Quantization-aware training to the export's own GGUF type (`train.qat=q8_0|q4_0`).
+"""Quantization-aware training to the export's own GGUF type (`train.qat=q8_0|q4_0|q6_k|q5_k_m|q4_k_m`).
 
 From `train.qat_start` (a fraction of the steps) on, every forward and backward runs on the weights
 the export will hold: each matrix round-tripped through exactly the block quantization the export
@@ -9,18 +9,36 @@ gradients (the straight-through estimator), and validation scores the quantized 
 the exported file at that type holds exactly the weights the model was last trained and validated
 with. The full-precision weights are swapped in place around each step (no module changes: the
 checkpoints, resume and export are the plain model's).
+
+The K-quant mixes are llama.cpp's: each matrix gets the type llama.cpp's quantizer gives it (Q4_K
+for most of Q4_K_M, Q6_K for the token table and some attn_v/ffn_down), learnt once by quantizing
+the model's own f32 export with `llama_model_quantize` (not a copy of its policy), and its round trip
+is ggml's own quantizer and dequantizer (`pipeline.gguf.ggml`), on the CPU, so bit for bit the
+weights llama.cpp writes.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
+from pipeline.errors import ConfigError, problem
+from pipeline.gguf import ggml
+from pipeline.gguf.ggml import tensor_types
+from pipeline.gguf.quantize import K_QUANTS
+from pipeline.models import gpt2_gguf, llama_gguf
+from pipeline.models.registry import export_gguf
+
 BLOCK = 32  # Q8_0 and Q4_0 block size
-QAT_TYPES = ("q8_0", "q4_0")
+QAT_TYPES = ("q8_0", "q4_0", *K_QUANTS)
+LAYOUTS = {"llama": llama_gguf.LAYOUT, "gpt2": gpt2_gguf.LAYOUT}  # our parameter names -> GGUF names
 LOW_BIT = ("q4_0",)  # the export keeps the token table / head at Q8_0 below 8 bits (as llama.cpp does)
 
 
@@ -69,16 +87,58 @@ def targets(model: nn.Module, dtype: str) -> list[tuple[nn.Parameter, str]]:
     return out
 
 
+def k_targets(model: nn.Module, dtype: str) -> list[tuple[nn.Parameter, str, str]]:
+    """Each matrix with the type llama.cpp's `dtype` mix gives it and its GGUF name: the model's f32
+    export quantized once by llama.cpp, the types read back (they depend on names and shapes only)."""
+    layout = LAYOUTS.get(getattr(getattr(model, "cfg", None), "arch", ""))
+    if layout is None or getattr(model, "lens", None) is not None:
+        raise ConfigError(
+            problem(
+                "config key train.qat",
+                f"{dtype}: a llama or gpt2 model without a lens",
+                type(model).__name__,
+                "use q8_0 or q4_0",
+            )
+        )
+    with tempfile.TemporaryDirectory(prefix="qat-types-") as tmp:
+        f32 = export_gguf(model, Path(tmp) / "f32.gguf", {}, {}, "f32")
+        types = tensor_types(f32, dtype, torch.get_num_threads())
+    params = dict(model.named_parameters())
+    names = layout.names(model.cfg.n_layer, model.head is None)
+    return [(params[ours], types[gguf], gguf) for ours, gguf in names.items() if params[ours].ndim >= 2]
+
+
+def ggml_fake_quant(w: torch.Tensor, ggml_type: str, imatrix: np.ndarray | None = None) -> torch.Tensor:
+    """`w` round-tripped through ggml's own quantizer for `ggml_type` (with `imatrix`'s column weights),
+    on the CPU: bit for bit the values llama.cpp's file of that type holds."""
+    if ggml_type in ("F32", "F16"):
+        return w.float() if ggml_type == "F32" else w.half().float()
+    flat = w.detach().float().cpu().numpy().reshape(-1, w.shape[-1])
+    out = ggml.round_trip(flat, GGMLQuantizationType[ggml_type], imatrix, torch.get_num_threads())
+    return torch.from_numpy(out).view(w.shape).to(w.device)
+
+
 class QuantSwap:
     """The training loop's hook: `swapped(step)` puts the export's weights in place for that step's
-    forward and backward (from `start` on) and the full-precision ones back before the update."""
+    forward and backward (from `start` on) and the full-precision ones back before the update.
+    `imatrix` (GGUF tensor name -> column weights): the export's importance matrix, which the K-quant
+    fake quant then passes to ggml's quantizer as the export does."""
 
-    def __init__(self, model: nn.Module, dtype: str, start: int):
-        self.pairs = targets(model, dtype) if dtype else []
-        self.start = start
+    def __init__(self, model: nn.Module, dtype: str, start: int, imatrix: dict[str, np.ndarray] | None = None):
+        self.start, self.imatrix = start, imatrix or {}
+        self.ggml = dtype in K_QUANTS
+        if self.ggml:
+            self.pairs = k_targets(model, dtype)
+        else:
+            self.pairs = [(p, kind, "") for p, kind in targets(model, dtype)] if dtype else []
 
     def active(self, step: int | None) -> bool:
         return bool(self.pairs) and (step is None or step >= self.start)
+
+    def fake(self, p: torch.Tensor, kind: str, name: str) -> torch.Tensor:
+        if self.ggml:
+            return ggml_fake_quant(p, kind, self.imatrix.get(name))
+        return fake_quant(p.float(), kind)
 
     @contextmanager
     def swapped(self, step: int | None) -> Iterator[None]:
@@ -89,12 +149,12 @@ class QuantSwap:
             yield
             return
         with torch.no_grad():
-            kept = [p.detach().clone() for p, _ in self.pairs]
-            for p, kind in self.pairs:
-                p.copy_(fake_quant(p.float(), kind).to(p.dtype))
+            kept = [p.detach().clone() for p, _, _ in self.pairs]
+            for p, kind, name in self.pairs:
+                p.copy_(self.fake(p, kind, name).to(p.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
-                for (p, _), w in zip(self.pairs, kept):
+                for (p, _, _), w in zip(self.pairs, kept):
                     p.copy_(w)
