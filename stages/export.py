@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.export.exporter import CARD, MODEL_GGUF, ExportPlan, run_export, run_image_export
+from pipeline.export.imatrix import IMATRIX_GGUF, imatrix_source
 from pipeline.export.naming import ShipInfo, data_label
 from pipeline.io.modeldir import model_config, read_train_state, weight_files
 from stages._run.exits import entry
@@ -42,7 +43,8 @@ def body(ctx: StageContext) -> dict[str, float]:
         description=f"recipe={cfg.recipe.name} init={cfg.recipe.init}, trained by smollm-pipeline",
         tags=("smollm-pipeline",),
     )
-    plan = ExportPlan(cfg.export.dtype, ship, cfg.recipe.lora.dropout)
+    reuse = train_dir / IMATRIX_GGUF  # a QAT run's matrix: the one its weights were trained to
+    plan = ExportPlan(cfg.export.dtype, ship, cfg.recipe.lora.dropout, imatrix_source(cfg, ctx.paths.packed, reuse))
     metrics = run_export(train_dir, ctx.donor_gguf, ctx.out_dir, plan, provenance)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
     log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import load_meta
+from pipeline.export.imatrix import imatrix_source
 from pipeline.io.files import write_text
 from pipeline.io.lineage import check_init, check_packed, check_teach
 from pipeline.io.modeldir import weight_files
@@ -60,6 +61,7 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         teach_dir=paths.teach,
         donor=ctx.donor_gguf if online else None,
         progress=cfg.output == "text",
+        imatrix=imatrix_source(cfg, paths.packed) if cfg.train.qat else None,
     )
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
     if ctx.run is not None:

@@ -19,7 +19,7 @@ from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.loop import train
-from pipeline.training.qat import ggml_fake_quant, k_targets
+from pipeline.training.qat import ggml_fake_quant, named_targets
 from pipeline.training.validation import evaluate_loss
 
 pytest.importorskip("llama_cpp")
@@ -86,7 +86,7 @@ def test_ggml_refusals_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_k_qat_types_are_llama_cpps(k_files: tuple[Path, Path]) -> None:
     out = GGUFFile(k_files[1])
     model = realize(K_TINY, "scratch", 2048, 0)
-    table = {name: kind for _, kind, name in k_targets(model, "q4_k_m")}
+    table = {name: kind for _, kind, name in named_targets(model, "q4_k_m")}
     written = {n: out.tensor_info(n).ggml_type for n in out.tensor_names()}
     assert table == {n: kind for n, kind in written.items() if kind != "F32"}
     assert table["token_embd.weight"] == "Q6_K" and table["blk.1.ffn_down.weight"] == "Q6_K"
@@ -104,7 +104,7 @@ def test_a_k_qat_run_exports_exactly_the_weights_it_validated(smollm2: GGUFFile,
     result = train(model, train_ids, val_ids, tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False)
     path = export_llama(model, tmp_path / "q.gguf", donor_tokenizer_metadata(smollm2), {}, "q4_k_m")
     exported, g = load_gguf(path)
-    for (p, kind, name), ours in zip(k_targets(model, "q4_k_m"), k_targets(exported, "q4_k_m")):
+    for (p, kind, name), ours in zip(named_targets(model, "q4_k_m"), named_targets(exported, "q4_k_m")):
         assert g.tensor_info(name).ggml_type == kind
         assert torch.equal(ggml_fake_quant(p.detach(), kind), ours[0].detach()), name
         assert not torch.equal(p.detach(), ours[0].detach())  # the loop kept full precision

@@ -11,6 +11,7 @@ from pipeline.config.train_schema import OptimConfig, TrainConfig
 
 # = pipeline.gguf.writer.TENSOR_TYPES (gguf-py writes them) + K_QUANTS (llama.cpp's quantizer does; a test checks)
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
+IMATRIX_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")  # their quantizers weight columns
 
 
 @dataclass
@@ -20,9 +21,20 @@ class ExportConfig:
     dtype: str = "f32"
     name: str = ""  # the file's basename (general.basename); "" = the donor's (SmolLM2)
     version: str = ""  # general.version and the file name's version part, e.g. v1.0; "" = none
+    imatrix: int = 0  # tokens of the train split for an importance matrix (pipeline.export.imatrix); 0 = off
 
     def __post_init__(self) -> None:
         choice(self.dtype, "export.dtype", EXPORT_TYPES)  # a K-quant's llama.cpp is checked by the stages
+        at_least(self.imatrix, "export.imatrix", 0, "use 0 for none, or e.g. 65536 tokens")
+        if self.imatrix:
+            types = "|".join(IMATRIX_TYPES)
+            check(
+                self.dtype in IMATRIX_TYPES,
+                "export.dtype",
+                f"{types} with export.imatrix",
+                self.dtype,
+                "set export.imatrix=0",
+            )
 
 
 @dataclass
@@ -90,6 +102,8 @@ class PipelineConfig:
         choice(self.output, "output", ("text", "quiet", "json"))
         if self.train.qat:
             self._check_qat()
+        if self.export.imatrix:
+            self._check_imatrix()
         if self.model.arch == "vit" or self.data.images:
             self._check_images()
             return
@@ -131,6 +145,15 @@ class PipelineConfig:
         where = f"model.arch={self.model.arch}, recipe.init={self.recipe.init}"
         k_ok = self.model.arch in ("llama", "gpt2") and self.recipe.init != "lens"
         check(k_ok, "train.qat", f"{qat}: a llama or gpt2 without a lens (llama.cpp's mix)", where, "use q8_0 or q4_0")
+
+    def _check_imatrix(self) -> None:
+        """An importance matrix is collected over running text by a llama/gpt2 forward, in train.seq_len windows."""
+        n = self.export.imatrix
+        ok = self.model.arch in ("llama", "gpt2") and self.data.source != "instruct" and not self.data.images
+        where = f"model.arch={self.model.arch}, data.source={self.data.source}"
+        check(ok, "export.imatrix", "off for image models and instruct rows (it needs running text)", where, "set 0")
+        seq = self.train.seq_len
+        check(n >= seq, "export.imatrix", f">= train.seq_len={seq} tokens (one window)", n, f"use e.g. {64 * seq}")
 
     def _check_draft(self) -> None:
         """recipe=draft learns the donor's greedy choices from its cached distribution over running text,

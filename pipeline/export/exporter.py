@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.errors import GGUFError, problem
 from pipeline.export.card import CardFacts, model_card
+from pipeline.export.imatrix import ImatrixSource, export_with_imatrix
 from pipeline.export.naming import ShipInfo, donor_identity, file_name, general_keys, general_metadata, link_or_copy
 from pipeline.finetune.adapters import plain_model, save_adapter_gguf, save_peft_adapter
 from pipeline.finetune.lora import lora_layers
@@ -38,6 +39,7 @@ class ExportPlan:
     dtype: str = "f32"
     ship: ShipInfo = field(default_factory=ShipInfo)
     lora_dropout: float = 0.0
+    imatrix: ImatrixSource | None = None  # export.imatrix: calibrate the quantized tensors on the corpus
 
 
 def run_export(
@@ -58,7 +60,10 @@ def run_export(
     named = file_name(meta, plan.dtype)
     adapters = bool(lora_layers(model))
     with atomic_dir(out_dir) as tmp:
-        merged = export_gguf(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype)
+        if plan.imatrix is None:
+            merged = export_gguf(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype)
+        else:
+            merged = export_with_imatrix(plain, tmp, MODEL_GGUF, tok_meta, keys, plan.dtype, plan.imatrix)
         link_or_copy(merged, tmp / named)
         metrics = {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
         if adapters:

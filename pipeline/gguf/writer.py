@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.quantize import K_QUANTS, llamacpp_quantize, require_llamacpp
@@ -36,12 +36,19 @@ def encode_tensor(arr: np.ndarray, dtype: str, ggml_type: str | None = None, ten
     `ggml_type` (a gguf-py type name such as Q4_0, Q4_1, Q5_0) overrides `dtype` for all matrices.
     """
     arr = np.ascontiguousarray(arr, dtype=np.float32)
+    qtype = tensor_type(arr.shape, dtype, tensor, ggml_type)
+    return quants.quantize(arr, qtype), qtype
+
+
+def tensor_type(
+    shape: tuple[int, ...], dtype: str, tensor: str = "", ggml_type: str | None = None
+) -> GGMLQuantizationType:
+    """The ggml type an export of `dtype` stores a tensor of `shape` as (the rules of `encode_tensor`)."""
     name = ggml_type or ("Q8_0" if dtype in LOW_BIT and tensor in HEAD_TENSORS else TENSOR_TYPES[dtype])
-    qtype = GGMLQuantizationType[name] if arr.ndim >= 2 else GGMLQuantizationType.F32
-    try:
-        return quants.quantize(arr, qtype), qtype
-    except quants.QuantError:
-        return quants.quantize(arr, GGMLQuantizationType.F16), GGMLQuantizationType.F16
+    qtype = GGMLQuantizationType[name] if len(shape) >= 2 else GGMLQuantizationType.F32
+    if shape and shape[-1] % GGML_QUANT_SIZES[qtype][0]:  # rows that do not split into whole blocks
+        return GGMLQuantizationType.F16
+    return qtype
 
 
 def write_gguf(
@@ -66,12 +73,7 @@ def write_gguf(
 
     with atomic_file(path) as tmp:
         writer = GGUFWriter(tmp, arch)
-        for key, value in metadata.items():
-            if isinstance(value, TypedValue):
-                sub = None if value.sub_type is None else GGUFValueType(value.sub_type)
-                writer.add_key_value(key, value.value, GGUFValueType(value.vtype), sub)
-            else:
-                writer.add_key_value(key, value, _value_type(value), _array_type(value))
+        add_metadata(writer, metadata)
         for name, arr in tensors.items():
             data, qtype = encode_tensor(arr, dtype, ggml_type, name)
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -80,6 +82,16 @@ def write_gguf(
         writer.write_tensors_to_file()
         writer.close()
     return Path(path)
+
+
+def add_metadata(writer: GGUFWriter, metadata: dict[str, Any]) -> None:
+    """Each key as a plain value (typed by gguf-py's rules) or a `TypedValue` (its own types kept)."""
+    for key, value in metadata.items():
+        if isinstance(value, TypedValue):
+            sub = None if value.sub_type is None else GGUFValueType(value.sub_type)
+            writer.add_key_value(key, value.value, GGUFValueType(value.vtype), sub)
+        else:
+            writer.add_key_value(key, value, _value_type(value), _array_type(value))
 
 
 def check_export_dtype(dtype: str) -> None:

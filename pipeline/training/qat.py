@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import numpy as np
 import torch
@@ -33,12 +34,13 @@ from pipeline.errors import ConfigError, problem
 from pipeline.gguf import ggml
 from pipeline.gguf.ggml import tensor_types
 from pipeline.gguf.quantize import K_QUANTS
-from pipeline.models import gpt2_gguf, llama_gguf
+from pipeline.gguf.writer import tensor_type
+from pipeline.models.imatrix import gguf_names
 from pipeline.models.registry import export_gguf
 
 BLOCK = 32  # Q8_0 and Q4_0 block size
 QAT_TYPES = ("q8_0", "q4_0", *K_QUANTS)
-LAYOUTS = {"llama": llama_gguf.LAYOUT, "gpt2": gpt2_gguf.LAYOUT}  # our parameter names -> GGUF names
+_IMATRIX: WeakKeyDictionary[nn.Module, dict[str, np.ndarray]] = WeakKeyDictionary()  # see use_imatrix
 LOW_BIT = ("q4_0",)  # the export keeps the token table / head at Q8_0 below 8 bits (as llama.cpp does)
 
 
@@ -87,25 +89,35 @@ def targets(model: nn.Module, dtype: str) -> list[tuple[nn.Parameter, str]]:
     return out
 
 
-def k_targets(model: nn.Module, dtype: str) -> list[tuple[nn.Parameter, str, str]]:
-    """Each matrix with the type llama.cpp's `dtype` mix gives it and its GGUF name: the model's f32
-    export quantized once by llama.cpp, the types read back (they depend on names and shapes only)."""
-    layout = LAYOUTS.get(getattr(getattr(model, "cfg", None), "arch", ""))
-    if layout is None or getattr(model, "lens", None) is not None:
+def named_targets(model: nn.Module, dtype: str) -> list[tuple[nn.Parameter, str, str]]:
+    """Each matrix with the ggml type its export of `dtype` gets, and its GGUF name. For the K-quant
+    mixes llama.cpp's own types: the model's f32 export quantized once by llama.cpp, the types read
+    back (they depend on names and shapes only); for the legacy types the writer's rule."""
+    names = gguf_names(model)
+    if names is None or getattr(model, "lens", None) is not None:
         raise ConfigError(
             problem(
-                "config key train.qat",
-                f"{dtype}: a llama or gpt2 model without a lens",
-                type(model).__name__,
-                "use q8_0 or q4_0",
+                "config key train.qat", f"{dtype}: a llama or gpt2 without a lens", type(model).__name__, "use q8_0"
             )
         )
-    with tempfile.TemporaryDirectory(prefix="qat-types-") as tmp:
-        f32 = export_gguf(model, Path(tmp) / "f32.gguf", {}, {}, "f32")
-        types = tensor_types(f32, dtype, torch.get_num_threads())
+    types: dict[str, str] = {}
+    if dtype in K_QUANTS:
+        with tempfile.TemporaryDirectory(prefix="qat-types-") as tmp:
+            f32 = export_gguf(model, Path(tmp) / "f32.gguf", {}, {}, "f32")
+            types = tensor_types(f32, dtype, torch.get_num_threads())
     params = dict(model.named_parameters())
-    names = layout.names(model.cfg.n_layer, model.head is None)
-    return [(params[ours], types[gguf], gguf) for ours, gguf in names.items() if params[ours].ndim >= 2]
+    out = []
+    for ours, gguf in names.items():
+        p = params[ours]
+        if p.ndim >= 2:
+            out.append((p, types[gguf] if types else tensor_type(tuple(p.shape), dtype, gguf).name, gguf))
+    return out
+
+
+def use_imatrix(model: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """The export's importance matrix (GGUF name -> column weights) for `model`'s QAT: the train stage
+    sets it before training, and the loop's QuantSwap then passes it to ggml as the export does."""
+    _IMATRIX[model] = weights
 
 
 def ggml_fake_quant(w: torch.Tensor, ggml_type: str, imatrix: np.ndarray | None = None) -> torch.Tensor:
@@ -121,14 +133,14 @@ def ggml_fake_quant(w: torch.Tensor, ggml_type: str, imatrix: np.ndarray | None 
 class QuantSwap:
     """The training loop's hook: `swapped(step)` puts the export's weights in place for that step's
     forward and backward (from `start` on) and the full-precision ones back before the update.
-    `imatrix` (GGUF tensor name -> column weights): the export's importance matrix, which the K-quant
-    fake quant then passes to ggml's quantizer as the export does."""
+    `imatrix` (GGUF tensor name -> column weights; by default the one `use_imatrix` set): the export's
+    importance matrix, which the fake quant then passes to ggml's quantizer as the export does."""
 
     def __init__(self, model: nn.Module, dtype: str, start: int, imatrix: dict[str, np.ndarray] | None = None):
-        self.start, self.imatrix = start, imatrix or {}
-        self.ggml = dtype in K_QUANTS
+        self.start, self.imatrix = start, imatrix if imatrix is not None else _IMATRIX.get(model, {})
+        self.ggml = bool(dtype) and (dtype in K_QUANTS or bool(self.imatrix))
         if self.ggml:
-            self.pairs = k_targets(model, dtype)
+            self.pairs = named_targets(model, dtype)
         else:
             self.pairs = [(p, kind, "") for p, kind in targets(model, dtype)] if dtype else []
 

@@ -15,12 +15,15 @@ from pipeline.data.packed import PackMeta, load_data, load_meta
 from pipeline.distill.cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
+from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix
 from pipeline.finetune.model import prepare_training
+from pipeline.gguf.imatrix import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
+from pipeline.training.qat import use_imatrix
 from pipeline.training.resume import CheckpointPlan
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ class TrainJob:
     teach_dir: Path | None = None  # the teacher with train.distill.mode=cached: the teach stage's cache
     donor: Path | None = None  # the teacher with train.distill.mode=online: the donor GGUF
     progress: bool = True  # a progress display on the main rank (off for quiet/json output)
+    imatrix: ImatrixSource | None = None  # train.qat with export.imatrix: the matrix QAT and the export share
 
 
 def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
@@ -56,6 +60,7 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     tcfg = job.train
     meta = load_meta(job.packed_dir)
     model, vocab = load_for_training(job.init_dir, meta, tcfg)
+    imx = use_for_qat(model, job.imatrix) if job.imatrix is not None and tcfg.qat else None
     hooks = hooks or Hooks()
     bits = meta.bits_per_token("val")
     try:
@@ -87,7 +92,18 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     spec = read_spec(job.init_dir) if is_finetune_dir(job.init_dir) else None
     with atomic_dir(job.out_dir) as tmp:
         save_model_dir(tmp, model, result.weights, spec, optimizer_state=result.optimizer_state, train_state=state)
+        if imx is not None:
+            write_imatrix(tmp / IMATRIX_GGUF, imx)
     return result
+
+
+def use_for_qat(model: nn.Module, src: ImatrixSource) -> Imatrix:
+    """train.qat with export.imatrix: the importance matrix of the model training starts from, which
+    QAT's fake quant passes to ggml; the train directory keeps it and export takes that file, so the
+    QAT target is exactly the exported file (recomputed identically on a resume)."""
+    imx = corpus_imatrix(model, replace(src, reuse=None))
+    use_imatrix(model, imx.weights())
+    return imx
 
 
 def load_for_training(init_dir: Path, meta: PackMeta, tcfg: TrainConfig) -> tuple[nn.Module, int]:

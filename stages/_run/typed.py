@@ -24,6 +24,8 @@ def typed_config(cfg: DictConfig) -> PipelineConfig:
     typed = structured_config(PipelineConfig, cfg)
     if typed.export.dtype in K_QUANTS:
         require_llamacpp(typed.export.dtype)
+    if typed.export.imatrix:  # ggml's own quantizer, from llama-cpp-python's library
+        require_llamacpp(typed.export.dtype, key="export.imatrix")
     return typed
 
 
