@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -9,17 +10,22 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
+from pipeline.data.packed import PackMeta, write_meta, write_tokens
 from pipeline.errors import ConfigError
+from pipeline.export.exporter import ExportPlan, run_export
+from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource
 from pipeline.gguf.imatrix import Imatrix, quantize_gguf, read_imatrix, write_imatrix
 from pipeline.gguf.quantize import llamacpp_quantize
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.init.realize import realize
+from pipeline.io.modeldir import load_model_dir, save_model_dir
 from pipeline.models.imatrix import block_matmuls, collect_sums
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.loop import train
 from pipeline.training.qat import ggml_fake_quant, named_targets, use_imatrix
+from pipeline.training.trainer import TrainJob, run_train
 from pipeline.training.validation import evaluate_loss
 from stages._run.typed import typed_config
 from stages.compose import compose_config
@@ -156,3 +162,33 @@ def test_imatrix_refusals_name_the_key() -> None:
             typed_config(compose_config(overrides))
         assert str(err.value).startswith(f"config key {key}:") and "\n" not in str(err.value), str(err.value)
     assert typed_config(compose_config(["export.imatrix=4096", "export.dtype=q4_k_m"])).export.imatrix == 4096
+
+
+def test_the_stage_path_qat_and_export_share_one_matrix(smollm2_path: Path, tmp_path: Path) -> None:
+    """train.qat + export.imatrix through run_train and run_export: the train directory keeps the matrix
+    it trained with, export takes it, and the exported q4_k_m file holds the trained weights' fake quant."""
+    rng = np.random.default_rng(0)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    tokens = {"train": 4000, "val": 1000}
+    for split, n in tokens.items():
+        write_tokens(packed, split, rng.integers(0, 2000, n).astype(np.uint16))
+    meta = PackMeta(49152, "uint16", "t" * 64, "c" * 64, "text", None, None, {"train": 1, "val": 1}, tokens, 2000)
+    write_meta(packed, meta)
+    (tmp_path / "init").mkdir()
+    save_model_dir(tmp_path / "init", realize(K_TINY, "scratch", 49152, 0))
+    src = ImatrixSource(packed, 256, 32, dataset="corpus")
+    tcfg = TrainConfig(steps=2, batch_size=2, seq_len=32, eval_every=1, qat="q4_k_m", qat_start=0.5, device="cpu")
+    job = TrainJob(tmp_path / "init", packed, tmp_path / "train", tcfg, OptimConfig(lr=1e-3), 0, imatrix=src)
+    run_train(job)
+    assert read_imatrix(tmp_path / "train" / IMATRIX_GGUF).extra["pipeline.imatrix.corpus_sha256"] == "c" * 64
+    reuse = replace(src, reuse=tmp_path / "train" / IMATRIX_GGUF)
+    run_export(tmp_path / "train", smollm2_path, tmp_path / "export", ExportPlan("q4_k_m", imatrix=reuse), {})
+    shipped = (tmp_path / "export" / IMATRIX_GGUF).read_bytes()
+    assert shipped == (tmp_path / "train" / IMATRIX_GGUF).read_bytes()
+    g = GGUFFile(tmp_path / "export" / "model.gguf")
+    assert g.metadata["quantize.imatrix.dataset"] == "corpus" and g.metadata["quantize.imatrix.chunks_count"] == 8
+    trained = load_model_dir(tmp_path / "train")
+    weights = read_imatrix(tmp_path / "train" / IMATRIX_GGUF).weights()
+    for p, kind, name in named_targets(trained, "q4_k_m"):
+        assert np.array_equal(ggml_fake_quant(p.detach(), kind, weights.get(name)).numpy(), g.tensor(name)), name
