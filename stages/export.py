@@ -44,7 +44,12 @@ def body(ctx: StageContext) -> dict[str, float]:
         tags=("smollm-pipeline",),
     )
     reuse = train_dir / IMATRIX_GGUF  # a QAT run's matrix: the one its weights were trained to
-    plan = ExportPlan(cfg.export.dtype, ship, cfg.recipe.lora.dropout, imatrix_source(cfg, ctx.paths.packed, reuse))
+    plan = ExportPlan(
+        cfg.export.dtype,
+        ship,
+        cfg.recipe.lora.dropout,
+        imatrix_source(cfg, ctx.paths.packed, cfg.export.imatrix, reuse),
+    )
     metrics = run_export(train_dir, ctx.donor_gguf, ctx.out_dir, plan, provenance)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))
     log.info(f"export: {cfg.export.dtype} GGUF {metrics['file_bytes'] / 1e6:.1f} MB ({files}) -> {ctx.out_dir}")

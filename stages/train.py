@@ -61,7 +61,7 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
         teach_dir=paths.teach,
         donor=ctx.donor_gguf if online else None,
         progress=cfg.output == "text",
-        imatrix=imatrix_source(cfg, paths.packed) if cfg.train.qat else None,
+        imatrix=imatrix_source(cfg, paths.packed, cfg.train.qat_imatrix) if cfg.train.qat_imatrix else None,
     )
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
     if ctx.run is not None:

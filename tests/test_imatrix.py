@@ -13,7 +13,7 @@ from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
 from pipeline.errors import ConfigError
 from pipeline.export.exporter import ExportPlan, run_export
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource
+from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.gguf.imatrix import Imatrix, quantize_gguf, read_imatrix, write_imatrix
 from pipeline.gguf.quantize import llamacpp_quantize
 from pipeline.gguf.reader import GGUFFile
@@ -27,6 +27,7 @@ from pipeline.training.loop import train
 from pipeline.training.qat import ggml_fake_quant, named_targets, use_imatrix
 from pipeline.training.trainer import TrainJob, run_train
 from pipeline.training.validation import evaluate_loss
+from stages._run.overrides import STAGE_PARAMS
 from stages._run.typed import typed_config
 from stages.compose import compose_config
 
@@ -157,11 +158,31 @@ def test_imatrix_refusals_name_the_key() -> None:
         (["export.imatrix=4096"], "export.dtype"),  # f32: nothing to calibrate
         (["export.imatrix=8", "export.dtype=q4_0"], "export.imatrix"),  # under one train.seq_len window
         (["export.imatrix=4096", "export.dtype=q4_0", "preset=lora"], "export.imatrix"),  # instruct rows
+        (["train.qat_imatrix=-1"], "train.qat_imatrix"),
+        (["train.qat_imatrix=4096"], "train.qat_imatrix"),  # no train.qat to share it with
+        (["train.qat_imatrix=4096", "train.qat=q8_0", "export.dtype=q8_0"], "train.qat_imatrix"),  # q8_0 takes none
+        (["train.qat_imatrix=4096", "train.qat=q4_0", "export.dtype=q4_0", "export.imatrix=4096"], "export.imatrix"),
     ):
         with pytest.raises(ConfigError) as err:
             typed_config(compose_config(overrides))
         assert str(err.value).startswith(f"config key {key}:") and "\n" not in str(err.value), str(err.value)
     assert typed_config(compose_config(["export.imatrix=4096", "export.dtype=q4_k_m"])).export.imatrix == 4096
+    qat = typed_config(compose_config(["train.qat_imatrix=4096", "train.qat=q4_k_m", "export.dtype=q4_k_m"]))
+    assert qat.train.qat_imatrix == 4096 and qat.export.imatrix == 0
+
+
+def test_export_takes_the_matrix_qat_trained_to_and_else_its_own(tmp_path: Path) -> None:
+    """export.imatrix is export's own knob (train never reads it); a train directory holding QAT's
+    matrix (train.qat_imatrix) is what the export calibrates with, whatever export.imatrix says."""
+    cfg = typed_config(compose_config([]))
+    qat_file = tmp_path / IMATRIX_GGUF
+    assert imatrix_source(cfg, tmp_path, 0, qat_file) is None
+    assert imatrix_source(cfg, tmp_path, 4096, qat_file) == ImatrixSource(
+        tmp_path, 4096, cfg.train.seq_len, dataset="pydoc"
+    )
+    qat_file.write_bytes(b"")
+    assert imatrix_source(cfg, tmp_path, 0, qat_file).reuse == qat_file
+    assert not any(k.startswith("export") for k in STAGE_PARAMS["train"]) and "export" in STAGE_PARAMS["export"]
 
 
 def test_the_stage_path_qat_and_export_share_one_matrix(smollm2_path: Path, tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ class PipelineConfig:
         choice(self.output, "output", ("text", "quiet", "json"))
         if self.train.qat:
             self._check_qat()
-        if self.export.imatrix:
+        if self.export.imatrix or self.train.qat_imatrix:
             self._check_imatrix()
         if self.model.arch == "vit" or self.data.images:
             self._check_images()
@@ -147,13 +147,24 @@ class PipelineConfig:
         check(k_ok, "train.qat", f"{qat}: a llama or gpt2 without a lens (llama.cpp's mix)", where, "use q8_0 or q4_0")
 
     def _check_imatrix(self) -> None:
-        """An importance matrix is collected over running text by a llama/gpt2 forward, in train.seq_len windows."""
-        n = self.export.imatrix
+        """An importance matrix is collected over running text by a llama/gpt2 forward, in train.seq_len
+        windows: by export (export.imatrix), or by train for QAT (train.qat_imatrix), whose matrix the
+        export then takes: never both."""
+        key, n = (
+            ("train.qat_imatrix", self.train.qat_imatrix)
+            if self.train.qat_imatrix
+            else ("export.imatrix", self.export.imatrix)
+        )
+        if self.train.qat_imatrix:
+            qat = self.train.qat
+            check(qat in IMATRIX_TYPES, key, f"train.qat one of {'|'.join(IMATRIX_TYPES)}", repr(qat), "set 0")
+            both = self.export.imatrix
+            check(not both, "export.imatrix", "0 with train.qat_imatrix (the export takes QAT's matrix)", both, "set 0")
         ok = self.model.arch in ("llama", "gpt2") and self.data.source != "instruct" and not self.data.images
         where = f"model.arch={self.model.arch}, data.source={self.data.source}"
-        check(ok, "export.imatrix", "off for image models and instruct rows (it needs running text)", where, "set 0")
+        check(ok, key, "off for image models and instruct rows (it needs running text)", where, "set 0")
         seq = self.train.seq_len
-        check(n >= seq, "export.imatrix", f">= train.seq_len={seq} tokens (one window)", n, f"use e.g. {64 * seq}")
+        check(n >= seq, key, f">= train.seq_len={seq} tokens (one window)", n, f"use e.g. {64 * seq}")
 
     def _check_draft(self) -> None:
         """recipe=draft learns the donor's greedy choices from its cached distribution over running text,

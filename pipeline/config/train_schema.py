@@ -112,6 +112,9 @@ class TrainConfig:
     parallel: str = "ddp"  # under torchrun: ddp (replicated) | fsdp (sharded parameters)
     qat: str = ""  # quantization-aware training to the export's type: "" (off) | q8_0 | q4_0 | q6_k | q5_k_m | q4_k_m
     qat_start: float = 0.5  # train.qat: from this fraction of the steps on
+    qat_imatrix: int = (
+        0  # train.qat: tokens of the train split for the importance matrix QAT and the export share; 0 = none
+    )
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,9 @@ class TrainConfig:
             "use one of them (= export.dtype)",
         )
         check(0 <= self.qat_start < 1, "train.qat_start", "a fraction in [0, 1)", self.qat_start, "use e.g. 0.5")
+        check(
+            self.qat_imatrix >= 0, "train.qat_imatrix", ">= 0 tokens", self.qat_imatrix, "use 0 for none, or e.g. 65536"
+        )
 
     def check_distill_context(self) -> None:
         """Cached distillation's windows advance by context - seq_len, so the context must exceed seq_len.

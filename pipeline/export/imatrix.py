@@ -5,8 +5,9 @@ split, in windows of train.seq_len (`pipeline.models.imatrix`), written next to 
 llama.cpp's imatrix GGUF (`imatrix.gguf`, which `llama-quantize --imatrix` also takes), and used to
 quantize every tensor that has an entry (`pipeline.gguf.imatrix.quantize_gguf`), with llama.cpp's
 provenance keys and ours (corpus hash, tokens) in the model's metadata. A QAT run trains to the file
-it will export, so with train.qat on the train stage collects the matrix once, from the model it
-starts from, and saves it in its own directory; export then takes that one (`reuse`).
+it will export, so with `train.qat_imatrix` the train stage collects the matrix once, from the model
+it starts from, and saves it in its own directory; export then takes that one (`reuse`). Export alone
+(`export.imatrix`) collects it from the trained model: changing it re-runs only export.
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ def export_with_imatrix(
         return quantize_gguf(f32, out_dir / name, dtype, imx, IMATRIX_GGUF)
 
 
-def imatrix_source(cfg: PipelineConfig, packed_dir: Path, reuse: Path | None = None) -> ImatrixSource | None:
-    """export.imatrix's source for this config (None when off)."""
-    if not cfg.export.imatrix:
+def imatrix_source(
+    cfg: PipelineConfig, packed_dir: Path, tokens: int, reuse: Path | None = None
+) -> ImatrixSource | None:
+    """The importance matrix over `tokens` train tokens (export.imatrix, or train.qat_imatrix for the
+    train stage), or the file `reuse` when it exists (the one QAT trained to); None when neither."""
+    found = reuse if reuse is not None and reuse.is_file() else None
+    if not tokens and found is None:
         return None
     label = data_label(cfg.data.source, cfg.data.path)
-    return ImatrixSource(packed_dir, cfg.export.imatrix, cfg.train.seq_len, dataset=label, reuse=reuse)
+    return ImatrixSource(packed_dir, tokens, cfg.train.seq_len, dataset=label, reuse=found)

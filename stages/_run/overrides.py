@@ -52,7 +52,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
         "donor.path",
     ),
     "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len"),
-    "train": ("seed", "train", "optim", "donor.path", "export.imatrix"),
+    "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout", "train.seq_len"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "train.qat", "recipe.init", "donor.path", "data"),
     "report": ("report", "recipe.name"),

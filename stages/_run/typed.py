@@ -24,8 +24,9 @@ def typed_config(cfg: DictConfig) -> PipelineConfig:
     typed = structured_config(PipelineConfig, cfg)
     if typed.export.dtype in K_QUANTS:
         require_llamacpp(typed.export.dtype)
-    if typed.export.imatrix:  # ggml's own quantizer, from llama-cpp-python's library
-        require_llamacpp(typed.export.dtype, key="export.imatrix")
+    for key, tokens in (("export.imatrix", typed.export.imatrix), ("train.qat_imatrix", typed.train.qat_imatrix)):
+        if tokens:  # ggml's own quantizer, from llama-cpp-python's library
+            require_llamacpp(typed.export.dtype, key=key)
     return typed
 
 
