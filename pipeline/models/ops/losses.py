@@ -332,9 +332,12 @@ def linear_distill_loss(
 
 
 def head_targets(
-    h: torch.Tensor, w: torch.Tensor, k: int, chunk: int = 512
+    h: torch.Tensor, w: torch.Tensor, k: int, chunk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`top_k_targets` of the logits `h @ w.T` (h (N, d), w (V, d)), a chunk of rows at a time so
-    that only (chunk x V) fp32 logits are ever held."""
+    that only (chunk x V) fp32 logits are ever held: 64 rows on a CPU, whose ~12 MB of fp32 logits
+    stay in cache for the logsumexp's passes (1.5x the teach stage's head over 512 rows, measured in
+    docs/distillation.md), 512 elsewhere."""
+    chunk = chunk or (64 if h.device.type == "cpu" else 512)
     parts = [top_k_targets(torch.nn.functional.linear(h[i : i + chunk], w), k) for i in range(0, h.shape[0], chunk)]
     return tuple(torch.cat(p) for p in zip(*parts))
