@@ -16,8 +16,10 @@ from pipeline.init.realize import realize
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
+from pipeline.training.checkpoint import config_key
 from pipeline.training.loop import train
 from pipeline.training.qat import fake_q4_0, fake_q8_0, fake_quant, targets
+from pipeline.training.resume import compat_dict
 from pipeline.training.validation import evaluate_loss
 from stages._run.typed import typed_config
 from stages.compose import compose_config
@@ -79,3 +81,21 @@ def test_qat_refusals_name_the_key() -> None:
             typed_config(compose_config(overrides))
         assert str(err.value).startswith(f"config key {key}:") and "\n" not in str(err.value)
     assert typed_config(compose_config(["train.qat=q4_0", "export.dtype=q4_0"])).train.qat == "q4_0"
+
+
+def test_a_qat_run_never_resumes_a_plain_runs_checkpoints() -> None:
+    """QAT is another trajectory from qat_start on: its checkpoints live under another key (a QAT
+    run once took a plain run's step-300 checkpoint as its own and exported unquantized weights),
+    and a plain run's key is what it was before QAT existed."""
+    cfg = TINY  # any dataclass: compat_dict records its fields
+    plain = TrainConfig(steps=10)
+    key = config_key(compat_dict(cfg, plain, OptimConfig(), 0, "init", "data"))
+    keys = {key}
+    for qat in (
+        TrainConfig(steps=10, qat="q4_0"),
+        TrainConfig(steps=10, qat="q4_0", qat_start=0.25),
+        TrainConfig(steps=10, qat="q4_k_m", qat_imatrix=256),
+    ):
+        keys.add(config_key(compat_dict(cfg, qat, OptimConfig(), 0, "init", "data")))
+    assert len(keys) == 4
+    assert "qat" not in compat_dict(cfg, plain, OptimConfig(), 0, "init", "data")

@@ -64,8 +64,8 @@ def compat_dict(
 ) -> dict[str, Any]:
     """What must match for a checkpoint to continue this run, as JSON values (the form it is saved in).
 
-    With distillation on, its settings and the teacher (the teach stage's record) too; with it off
-    the dict is what it was before distillation existed, so older checkpoints still resume.
+    With distillation on, its settings and the teacher (the teach stage's record) too, and QAT's with
+    QAT on; with them off the dict is what it was before either existed, so older checkpoints still resume.
     """
     compat = {
         "model": asdict(model_cfg),
@@ -77,6 +77,8 @@ def compat_dict(
     }
     if tcfg.distill.enabled:
         compat["distill"] = {**asdict(tcfg.distill), "teacher": teacher_fp}
+    if tcfg.qat:  # another trajectory from qat_start on (a QAT run once resumed a plain run's last step)
+        compat["qat"] = {"type": tcfg.qat, "start": tcfg.qat_start, "imatrix": tcfg.qat_imatrix}
     return json.loads(json.dumps(compat))
 
 
