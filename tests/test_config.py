@@ -70,7 +70,7 @@ def test_bad_values_are_rejected_naming_the_key(overrides: list[str], key: str) 
     [
         ("train.steps=abc", "config key train.steps: expected an integer, found 'abc'; fix: set train.steps to"),
         ("optim.lr=fast", "config key optim.lr: expected a number, found 'fast'; fix: set optim.lr to a number, e.g."),
-        ("train.compile=maybe", "config key train.compile: expected true or false, found 'maybe'"),
+        ("train.compile=maybe", "config key train.compile: expected one of auto, true, false, found 'maybe'"),
         ("train.steps=null", "config key train.steps: expected an integer, found null"),
         ("recipe.lora.targets=q", "config key recipe.lora.targets: expected a list, found 'q'; fix: write it in"),
         ("train.distill=0.5", "config key train.distill: expected a group of keys (weight, temperature, top_k,"),

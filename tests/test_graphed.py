@@ -33,7 +33,6 @@ CUDA = torch.device("cuda")  # a device name only: nothing here runs on it
         ({"cuda_graph": False}, True, True, "train.cuda_graph=false"),
         ({}, False, True, "packed rows or images change shape"),
         ({}, True, False, "reads its loss on the host"),
-        ({"compile": True}, True, True, "train.compile"),
         ({"activation_checkpointing": True}, True, True, "train.activation_checkpointing"),
     ],
 )
@@ -45,6 +44,7 @@ def test_graphable_names_why_a_run_is_not_graphed(change: dict, windows: bool, q
 def test_graphable_runs_are_cuda_token_windows_without_dropout() -> None:
     tcfg = replace(TCFG, cuda_graph=True)
     assert graphable(tcfg, Llama(SMALL), CUDA, True, True) is None
+    assert graphable(replace(tcfg, compile=True), Llama(SMALL), CUDA, True, True) is None  # whole-forward graph
     assert graphable(tcfg, Llama(SMALL), torch.device("cpu"), True, True) == "device cpu"
     for p, graphed_ in ((0.05, False), (0.0, True)):
         lora = Llama(SMALL)

@@ -10,6 +10,7 @@ PRECISIONS = ("bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
+SWITCHES = ("auto", "true", "false")  # train.compile, train.cuda_graph: auto = on where CUDA is
 DISTILL_MODES = ("cached", "online")
 # train.qat: the export types whose blocks training can see (pipeline.training.qat)
 QAT_TYPES = ("", "q8_0", "q4_0", "q6_k", "q5_k_m", "q4_k_m")
@@ -100,9 +101,11 @@ class TrainConfig:
     early_stop_patience: int = 0  # > 0: stop after this many evaluations without a new best val loss
     device: str = "auto"
     threads: int = 0  # 0: torch's default
-    compile: bool = False  # torch.compile the transformer blocks
+    compile: str = "auto"  # auto (on CUDA) | true | false: torch.compile the model (`training.runtime.compile_model`)
     activation_checkpointing: bool = False  # recompute block activations in backward (less memory)
-    cuda_graph: bool = False  # on CUDA, token windows: replay each step as one CUDA graph (`training.graphed`)
+    cuda_graph: str = (
+        "auto"  # auto | true | false: on CUDA, token windows, each step one CUDA graph (`training.graphed`)
+    )
     fused_kernels: bool = True  # on CUDA with Triton: RMSNorm, RoPE, SwiGLU as Triton kernels (`models.ops.fused`)
     checkpoint_every: int = 100  # also always at the end; 0: only at the end
     keep_checkpoints: int = 2  # newest K checkpoints kept per config
@@ -131,6 +134,9 @@ class TrainConfig:
         check(bool(self.checkpoint_dir), "train.checkpoint_dir", "a directory", self.checkpoint_dir, "use checkpoints")
         check(bool(self.resume), "train.resume", "auto, never or a checkpoint directory", self.resume, "use auto")
         choice(self.parallel, "train.parallel", PARALLEL)
+        for key in ("compile", "cuda_graph"):  # a bool given on the command line arrives as "True" / "False"
+            setattr(self, key, str(getattr(self, key)).lower())
+            choice(getattr(self, key), f"train.{key}", SWITCHES)
         check(
             self.qat in QAT_TYPES,
             "train.qat",

@@ -4,13 +4,14 @@ At small shapes a GPU step is launch-bound: the default 8 x 128 run is ~1700 ker
 launching them from Python took longer than running them (an H100 trained it at 46k tokens/s). Token
 windows have the same shapes every step, so the step's forward, backward, gradient clipping and
 non-finite check are captured once, on static batch tensors, and replayed as one launch; each step
-copies its batch into those tensors first. The optimizer's step stays outside the graph: fused AdamW is
-a few launches, and its learning rate changes every step.
+copies its batch into those tensors first. A compiled forward (`train.compile`, the whole `hidden` as one
+graph) is captured with the rest: it compiles in the warm-up steps before the capture. The optimizer's
+step stays outside the graph: fused AdamW is a few launches, and its learning rate changes every step.
 
 The captured backward assigns the gradients (they were None at capture), so they are never zeroed
 between replays; the outputs (loss, gradient norm, the non-finite flag) are overwritten by the next
-replay, so each step gets copies. Packed rows (their token count varies), several processes, compiled
-or checkpointed blocks and dropout are not graphed (`graphable`).
+replay, so each step gets copies. Packed rows (their token count varies), several processes, checkpointed
+blocks and dropout are not graphed (`graphable`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ StepFn = Callable[[Batches], tuple[torch.Tensor, ...]]
 def graphable(tcfg: TrainConfig, model: nn.Module, device: torch.device, windows: bool, queued: bool) -> str | None:
     """Why this run's steps cannot be a CUDA graph, or None when they can (and `train.cuda_graph` asks)."""
     reasons = (
-        (not tcfg.cuda_graph, "train.cuda_graph=false"),
+        (tcfg.cuda_graph == "false", "train.cuda_graph=false"),
         (device.type != "cuda", f"device {device.type}"),
         (not windows, "packed rows or images change shape"),
         (not queued, "the step reads its loss on the host (FSDP, L-BFGS or a non-fused optimizer)"),
-        (tcfg.compile, "train.compile (compiled blocks bring their own graphs)"),
         (tcfg.activation_checkpointing, "train.activation_checkpointing"),
         (_dropout(model) > 0, "dropout draws random numbers every step"),
     )
@@ -48,10 +48,10 @@ def graphable(tcfg: TrainConfig, model: nn.Module, device: torch.device, windows
 def wants_graphs(
     tcfg: TrainConfig, model: nn.Module, device: torch.device, windows: bool, queued: bool, one_process: bool
 ) -> bool:
-    """Whether the steps run as a CUDA graph: asked for and possible; when asked for but not possible, a
-    warning (every process) says why."""
+    """Whether the steps run as a CUDA graph: asked for (true, or auto) and possible; when asked for by
+    true but not possible, a warning (every process) says why."""
     why = graphable(tcfg, model, device, windows, queued) if one_process else "several processes"
-    if why is not None and tcfg.cuda_graph:
+    if why is not None and tcfg.cuda_graph == "true":
         log.warning(f"train.cuda_graph: steps run eagerly ({why})")
     return why is None
 

@@ -40,6 +40,7 @@ from pipeline.training.runtime import (
     HeapGuard,
     autocast,
     bound_kernel_caches,
+    eager_after,
     interrupted,
     keep_freed_memory,
     pick_device,
@@ -123,9 +124,8 @@ def train(
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
     start = run.state.step
     bar = Progress("train", total=tcfg.steps, unit="steps", enabled=progress and run.info.is_main, initial=start)
-    # packed rows change size every step (only real tokens are computed); token windows do not
-    heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None
-    with stop_on_signals() as asked:
+    heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None  # packed rows vary in size
+    with stop_on_signals() as asked, eager_after(model):
         for step in range(start, start if run.state.stopped_early else tcfg.steps):
             row, epoch_end = run.step(step)
             run.record(step, row, epoch_end)
@@ -154,6 +154,7 @@ class _Run:
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
         self.bits_per_token: float | None = bits  # val loss (nats/token) -> bits per byte
         self.device = _prepare(model, tcfg, seed, plan)
+        speed_switches(model, tcfg, self.device, not is_rows(train_data) and not dist.env_info().enabled)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)
         self.info = self.session.info
@@ -396,5 +397,4 @@ def _prepare(model: nn.Module, tcfg: TrainConfig, seed: int, plan: CheckpointPla
     if resume is not None:
         load_weights(resume, model)
     model.to(device).train()
-    speed_switches(model, tcfg)
     return device

@@ -8,9 +8,10 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,6 +144,12 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         block.forward = forward
 
 
+def compile_wanted(tcfg: TrainConfig, device: torch.device) -> bool:
+    """`train.compile`: true, or auto on CUDA (where compiling pays within a run; on a CPU it costs more
+    than the default run's steps save: docs/training.md)."""
+    return tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
+
+
 def compile_blocks(model: nn.Module) -> None:
     """torch.compile each block in place (names unchanged); the chunked loss stays eager.
 
@@ -153,13 +160,61 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile(dynamic=None)
 
 
-def speed_switches(model: nn.Module, tcfg: TrainConfig) -> None:
-    """Apply `train.fused_kernels`, `train.activation_checkpointing` and `train.compile` to the placed model."""
+class CompiledOrEager:
+    """`fn` through torch.compile, or `fn` itself from the first call whose compilation fails (a warning says
+    why: no C compiler, an unsupported op): a run that asked for speed still trains, at eager speed."""
+
+    def __init__(self, fn: Callable[..., Any], what: str):
+        self.fn, self.what = fn, what
+        self.compiled: Callable[..., Any] | None = torch.compile(fn, dynamic=None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compile errors, not the model's own
+                log.warning(f"train.compile: {self.what} runs eagerly ({one_line(e)})")
+                self.compiled = None
+        return self.fn(*args, **kwargs)
+
+
+def compile_model(model: nn.Module, windows: bool) -> None:
+    """torch.compile the model for `train.compile`. Token windows in one process: the whole forward
+    (embedding, every block, final norm) as one graph, `hidden`, with no graph break (tests/test_compile.py),
+    so that a CUDA graph can replay the step (`graphed`); packed rows, several processes or activation
+    checkpointing: block by block (`compile_blocks`). The head and loss stay eager (`ops.losses`: chunked,
+    its softmax one Triton kernel on CUDA)."""
+    if windows and hasattr(model, "hidden"):
+        model.hidden = CompiledOrEager(model.hidden, "the model's forward")
+    else:
+        compile_blocks(model)
+
+
+@contextmanager
+def eager_after(model: nn.Module) -> Iterator[None]:
+    """On exit, `model.hidden` is the plain method again: the compiled whole forward belongs to the run
+    (what uses the model next, an export's deep copy or the importance matrix's hooks, gets the plain one)."""
+    try:
+        yield
+    finally:
+        if isinstance(vars(model).get("hidden"), CompiledOrEager):
+            del model.hidden
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def speed_switches(model: nn.Module, tcfg: TrainConfig, device: torch.device, windows: bool) -> None:
+    """Apply `train.fused_kernels`, `train.activation_checkpointing` and `train.compile` to the placed model;
+    `windows`: token windows in one process (the whole forward may compile as one graph)."""
     use_fused_kernels(model, tcfg.fused_kernels)
     if tcfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if tcfg.compile:
-        compile_blocks(model)
+    if compile_wanted(tcfg, device):
+        compile_model(model, windows and not tcfg.activation_checkpointing)
 
 
 @contextmanager

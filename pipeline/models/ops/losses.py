@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.models.devices import to_device
+from pipeline.models.ops import fused_ce
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
@@ -79,7 +80,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             wc = w.detach().to(dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
             rows = min(rows or chunk, chunk, n)  # softmax block
-            block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
+            kernel = fused_ce.wanted(logits)  # CUDA: one Triton kernel per chunk, no fp32 block
+            fp32_copy = not kernel and dtype != torch.float32
+            block = torch.empty(rows, vocab, dtype=torch.float32, device=dev) if fp32_copy else None
             grad_h = torch.empty_like(hc_all)
             grad_w = None
             total = torch.zeros((), dtype=torch.float32, device=dev)
@@ -87,9 +90,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 c = min(chunk, n - start)
                 hc, tc = hc_all[start : start + c], targets[start : start + c]
                 z = torch.mm(hc, wc.t(), out=logits[:c])
-                for b in range(0, c, rows):
-                    total += _softmax_nll_(z[b : b + rows], tc[b : b + rows], block)
-                _add_at_targets_(z, tc, -1.0)
+                if kernel:
+                    total += fused_ce.softmax_grad_(z, tc)
+                else:
+                    for b in range(0, c, rows):
+                        total += _softmax_nll_(z[b : b + rows], tc[b : b + rows], block)
+                    _add_at_targets_(z, tc, -1.0)
                 torch.mm(z, wc, out=grad_h[start : start + c])
                 if ctx.needs_input_grad[1]:  # a frozen head (LoRA's tied embedding) needs no weight gradient
                     part = torch.mm(z.t(), hc)
@@ -242,7 +248,9 @@ class _ChunkedLinearDistill(torch.autograd.Function):
             hc_all, wc = h.detach().to(dtype), w.detach().to(dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
             rows = min(rows or chunk, chunk, n)  # softmax block
-            block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
+            kernel = fused_ce.wanted(logits)  # CUDA: one Triton kernel per chunk, no fp32 block
+            fp32_copy = not kernel and dtype != torch.float32
+            block = torch.empty(rows, vocab, dtype=torch.float32, device=dev) if fp32_copy else None
             grad_h = torch.empty_like(hc_all)
             grad_w = None
             sums = torch.zeros(2, dtype=torch.float32, device=dev)  # summed CE, summed KL
