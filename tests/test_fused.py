@@ -65,15 +65,25 @@ def test_rms_norm_kernel_equals_the_plain_norm(device: str, dtype: torch.dtype, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [4, 2])
-def test_rope_kernel_equals_the_plain_rotation(device: str, dtype: torch.dtype, heads: int) -> None:
-    """q/k as attention makes them (a transposed view of the projection), tables from a start offset:
-    the same rotation and input gradient, and a contiguous result."""
-    cfg = TransformerConfig(vocab_size=10, d_model=256, n_layer=1, n_head=4, n_kv_head=2, d_ff=8, context_length=32)
-    cos, sin = rope_tables(cfg, 32, torch.device(device))
+@pytest.mark.parametrize(
+    "heads,seq,dim,transposed",
+    [(4, 27, 64, True), (2, 27, 64, True), (3, 70, 64, True), (2, 45, 128, False), (2, 9, 96, True)],
+)
+def test_rope_kernel_equals_the_plain_rotation(
+    device: str, dtype: torch.dtype, heads: int, seq: int, dim: int, transposed: bool
+) -> None:
+    """q/k as attention makes them (a transposed view of the projection) or contiguous, tables from a
+    start offset: the same rotation and input gradient, and a contiguous result; over position counts
+    that the row block does not divide (one block and several), head widths 64, 128 and 96 (not a
+    power of two)."""
+    cfg = TransformerConfig(
+        vocab_size=10, d_model=4 * dim, n_layer=1, n_head=4, n_kv_head=2, d_ff=8, context_length=seq + 5
+    )
+    cos, sin = rope_tables(cfg, seq + 5, torch.device(device))
     cos, sin = cos[5:], sin[5:]
-    x = torch.randn(2, 27, heads, 64, generator=torch.Generator().manual_seed(0)).to(device, dtype).transpose(1, 2)
-    assert fused.rope_fits(x, cos, sin) and not x.is_contiguous()
+    x = torch.randn(2, seq, heads, dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    x = x.transpose(1, 2) if transposed else x.transpose(1, 2).contiguous()
+    assert fused.rope_fits(x, cos, sin) and x.is_contiguous() is not transposed
     got = _grads(lambda t: fused.rope(t, cos, sin), x.requires_grad_())
     ref = _grads(lambda t: apply_rope(t, cos, sin), x)
     assert got[0].is_contiguous()
