@@ -3,10 +3,12 @@ another (on a GPU they would not all fit comfortably together, and each one's pe
 own), with the same step as the CPU comparison: bf16 autocast forward + loss, backward, grad-norm clip
 1.0, fused AdamW (`make_optimizer`), zero_grad.
 
-Contenders: `ours` (`Llama.loss`; on CUDA with the Triton kernels of `models.ops.fused`), `ours-plain` (the
-same with them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (`compile_blocks`, i.e.
-train.compile=true), `ours-graph` (forward, backward and clip replayed as one CUDA graph, i.e.
-train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa attention, its own loss),
+Contenders: `ours-default` (what a run on CUDA does by default, train.compile=auto and train.cuda_graph=auto:
+the whole forward compiled as one graph, `compile_model`, and forward, backward and clip replayed as one CUDA
+graph; CUDA only), `ours` (`Llama.loss` eager; on CUDA with the Triton kernels of `models.ops.fused`), `ours-plain`
+(the same with them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (the compiled forward without
+the CUDA graph: train.compile=true, train.cuda_graph=false), `ours-graph` (the eager step as one CUDA graph:
+train.compile=false, train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa attention, its own loss),
 `hf-compile` (`torch.compile` of that model), `hf-liger` (Liger kernels patched into transformers' llama
 before the model is built; skipped when `liger_kernel` is not installed).
 """
@@ -41,9 +43,9 @@ from pipeline.models.transformer import init_weights
 from pipeline.training.graphed import GraphedStep
 from pipeline.training.optim import gradient_norm, make_optimizer
 from pipeline.training.queued import nonfinite
-from pipeline.training.runtime import autocast, compile_blocks
+from pipeline.training.runtime import autocast, compile_model
 
-CONTENDERS = ("ours", "ours-plain", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
+CONTENDERS = ("ours-default", "ours", "ours-plain", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
 
 
 @dataclass
@@ -139,9 +141,9 @@ def build(name: str, shape: Shape, x: torch.Tensor, y: torch.Tensor, device: tor
         init_weights(model, 0.02, 0)
         model.to(device).train()
         use_fused_kernels(model, name != "ours-plain")
-        if name == "ours-compile":
-            compile_blocks(model)
-        if name == "ours-graph":
+        if name in ("ours-compile", "ours-default"):
+            compile_model(model, windows=True)
+        if name in ("ours-graph", "ours-default"):
             return graphed_step_fn(model, x, y, device)
         labels = y.cpu()  # on the host, as the train loop keeps them (the model finds the counted rows there)
         return step_fn(model, lambda: model.loss(x, labels), device.type)
@@ -188,7 +190,7 @@ def run_shape(shape: Shape, names: list[str], args: argparse.Namespace, device: 
         if name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
             print(f"  {name:16s} skipped: liger_kernel not installed", flush=True)
             continue
-        if name in ("ours-graph", "ours-plain") and device.type != "cuda":
+        if name in ("ours-graph", "ours-plain", "ours-default") and device.type != "cuda":
             print(f"  {name:16s} skipped: a CUDA-only path", flush=True)
             continue
         release(device, compiled=True)
