@@ -4,13 +4,13 @@ own), with the same step as the CPU comparison: bf16 autocast forward + loss, ba
 1.0, fused AdamW (`make_optimizer`), zero_grad.
 
 Contenders: `ours-default` (what a run on CUDA does by default, train.compile=auto and train.cuda_graph=auto:
-the whole forward compiled as one graph, `compile_model`, and forward, backward and clip replayed as one CUDA
-graph; CUDA only), `ours` (`Llama.loss` eager; on CUDA with the Triton kernels of `models.ops.fused`), `ours-plain`
-(the same with them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (the compiled forward without
-the CUDA graph: train.compile=true, train.cuda_graph=false), `ours-graph` (the eager step as one CUDA graph:
-train.compile=false, train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa attention, its own loss),
-`hf-compile` (`torch.compile` of that model), `hf-liger` (Liger kernels patched into transformers' llama
-before the model is built; skipped when `liger_kernel` is not installed).
+the blocks compiled, `compile_blocks`, and forward, backward and clip replayed as one CUDA graph; CUDA only),
+`ours` (`Llama.loss` eager; on CUDA with the Triton kernels of `models.ops.fused`), `ours-plain` (the same with
+them off, i.e. train.fused_kernels=false; CUDA only), `ours-compile` (the compiled blocks without the CUDA
+graph: train.compile=true, train.cuda_graph=false), `ours-graph` (the eager step as one CUDA graph:
+train.compile=false, train.cuda_graph=true; CUDA only), `hf` (transformers `LlamaForCausalLM`, sdpa
+attention, its own loss), `hf-compile` (`torch.compile` of that model), `hf-liger` (Liger kernels patched into
+transformers' llama before the model is built; skipped when `liger_kernel` is not installed).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pipeline.models.transformer import init_weights
 from pipeline.training.graphed import GraphedStep
 from pipeline.training.optim import gradient_norm, make_optimizer
 from pipeline.training.queued import nonfinite
-from pipeline.training.runtime import autocast, compile_model
+from pipeline.training.runtime import autocast, compile_blocks
 
 CONTENDERS = ("ours-default", "ours", "ours-plain", "ours-compile", "ours-graph", "hf", "hf-compile", "hf-liger")
 
@@ -142,7 +142,7 @@ def build(name: str, shape: Shape, x: torch.Tensor, y: torch.Tensor, device: tor
         model.to(device).train()
         use_fused_kernels(model, name != "ours-plain")
         if name in ("ours-compile", "ours-default"):
-            compile_model(model, windows=True)
+            compile_blocks(model)
         if name in ("ours-graph", "ours-default"):
             return graphed_step_fn(model, x, y, device)
         labels = y.cpu()  # on the host, as the train loop keeps them (the model finds the counted rows there)

@@ -1,5 +1,5 @@
-"""`train.compile` (auto | true | false): the whole forward as one graph without a graph break, when it
-compiles, the eager fallback when compilation fails, and the plain model handed on after training."""
+"""`train.compile` (auto | true | false): the forward without a graph break, when it compiles (each block),
+and the eager fallback when compilation fails."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pipeline.errors import ConfigError
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig, init_weights
-from pipeline.training.runtime import CompiledOrEager, compile_wanted, eager_after, speed_switches
+from pipeline.training.runtime import CompiledOrEager, compile_wanted, speed_switches
 
 CFG = TransformerConfig(vocab_size=300, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=64)
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # names only: nothing here runs on CUDA
@@ -51,19 +51,15 @@ def test_another_value_is_refused_naming_the_key() -> None:
         TrainConfig(cuda_graph="sometimes")
 
 
-def test_windows_compile_the_whole_forward_and_packed_rows_each_block() -> None:
-    """One process on token windows: `hidden` becomes one compiled callable, the blocks stay plain modules;
-    packed rows (or several processes): each block compiles instead. After the run, the plain method."""
-    tcfg = TrainConfig(compile="true")
-    whole, blocks = Llama(CFG), Llama(CFG)
-    speed_switches(whole, tcfg, CPU, windows=True)
-    speed_switches(blocks, tcfg, CPU, windows=False)
-    assert isinstance(vars(whole).get("hidden"), CompiledOrEager)
-    assert all(getattr(b, "_compiled_call_impl", None) is None for b in whole.blocks)
-    assert "hidden" not in vars(blocks) and all(b._compiled_call_impl is not None for b in blocks.blocks)
-    with eager_after(whole):
-        pass
-    assert "hidden" not in vars(whole) and whole.hidden.__func__ is Llama.hidden
+def test_each_block_compiles_in_place() -> None:
+    """train.compile=true: each block's call goes through `CompiledOrEager` (as nn.Module.compile would set it),
+    the parameter names unchanged; false: plain modules."""
+    on, off = Llama(CFG), Llama(CFG)
+    speed_switches(on, TrainConfig(compile="true"), CPU)
+    speed_switches(off, TrainConfig(compile="false"), CPU)
+    assert all(isinstance(b._compiled_call_impl, CompiledOrEager) for b in on.blocks)
+    assert all(b._compiled_call_impl is None for b in off.blocks)
+    assert list(on.state_dict()) == list(off.state_dict())
 
 
 def test_a_failed_compilation_runs_eagerly_with_a_warning(caplog) -> None:
@@ -77,14 +73,14 @@ def test_a_failed_compilation_runs_eagerly_with_a_warning(caplog) -> None:
             raise ValueError("the model's own error")
         return x * 2
 
-    run = CompiledOrEager(fn, "the test function")
+    run = CompiledOrEager(fn, torch.nn.Identity())
 
     def broken(*args):
         raise torch._dynamo.exc.InternalTorchDynamoError("no C compiler found")
 
     run.compiled = broken
     assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
-    assert run.compiled is None and "the test function runs eagerly (InternalTorchDynamoError" in caplog.text
+    assert run.compiled is None and "Identity runs eagerly (InternalTorchDynamoError" in caplog.text
     assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0)) and len(calls) == 2
     with pytest.raises(ValueError, match="own error"):
         run(-torch.ones(2))
@@ -92,7 +88,7 @@ def test_a_failed_compilation_runs_eagerly_with_a_warning(caplog) -> None:
 
 @pytest.mark.slow
 def test_the_compiled_forward_trains_like_the_eager_one() -> None:
-    """Two fp32 steps through the compiled whole forward: the eager losses and gradients to 1e-5."""
+    """An fp32 step through the compiled blocks: the eager loss and gradients to 1e-5."""
     torch.manual_seed(0)
     idx, tgt = (torch.randint(0, CFG.vocab_size, (2, 32)) for _ in range(2))
     results = []
@@ -100,7 +96,7 @@ def test_the_compiled_forward_trains_like_the_eager_one() -> None:
         model = Llama(CFG)
         init_weights(model, 0.02, 0)
         if compiled:
-            speed_switches(model, TrainConfig(compile="true"), CPU, windows=True)
+            speed_switches(model, TrainConfig(compile="true"), CPU)
         loss = model.loss(idx, tgt)
         results.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
     (a, ga), (b, gb) = results

@@ -4,8 +4,8 @@ At small shapes a GPU step is launch-bound: the default 8 x 128 run is ~1700 ker
 launching them from Python took longer than running them (an H100 trained it at 46k tokens/s). Token
 windows have the same shapes every step, so the step's forward, backward, gradient clipping and
 non-finite check are captured once, on static batch tensors, and replayed as one launch; each step
-copies its batch into those tensors first. A compiled forward (`train.compile`, the whole `hidden` as one
-graph) is captured with the rest: it compiles in the warm-up steps before the capture. The optimizer's
+copies its batch into those tensors first. Compiled blocks (`train.compile`) are captured with the rest: they
+compile in the warm-up steps before the capture. The optimizer's
 step stays outside the graph: fused AdamW is a few launches, and its learning rate changes every step.
 
 The captured backward assigns the gradients (they were None at capture), so they are never zeroed

@@ -40,7 +40,6 @@ from pipeline.training.runtime import (
     HeapGuard,
     autocast,
     bound_kernel_caches,
-    eager_after,
     interrupted,
     keep_freed_memory,
     pick_device,
@@ -125,7 +124,7 @@ def train(
     start = run.state.step
     bar = Progress("train", total=tcfg.steps, unit="steps", enabled=progress and run.info.is_main, initial=start)
     heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None  # packed rows vary in size
-    with stop_on_signals() as asked, eager_after(model):
+    with stop_on_signals() as asked:
         for step in range(start, start if run.state.stopped_early else tcfg.steps):
             row, epoch_end = run.step(step)
             run.record(step, row, epoch_end)
@@ -154,7 +153,7 @@ class _Run:
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
         self.bits_per_token: float | None = bits  # val loss (nats/token) -> bits per byte
         self.device = _prepare(model, tcfg, seed, plan)
-        speed_switches(model, tcfg, self.device, not is_rows(train_data) and not dist.env_info().enabled)
+        speed_switches(model, tcfg, self.device)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)
         self.info = self.session.info

@@ -248,9 +248,7 @@ class _ChunkedLinearDistill(torch.autograd.Function):
             hc_all, wc = h.detach().to(dtype), w.detach().to(dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
             rows = min(rows or chunk, chunk, n)  # softmax block
-            kernel = fused_ce.wanted(logits)  # CUDA: one Triton kernel per chunk, no fp32 block
-            fp32_copy = not kernel and dtype != torch.float32
-            block = torch.empty(rows, vocab, dtype=torch.float32, device=dev) if fp32_copy else None
+            block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
             grad_h = torch.empty_like(hc_all)
             grad_w = None
             sums = torch.zeros(2, dtype=torch.float32, device=dev)  # summed CE, summed KL
