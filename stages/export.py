@@ -8,8 +8,9 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.export.auto_types import WINDOWS, budget_mb
 from pipeline.export.exporter import CARD, MODEL_GGUF, ExportPlan, run_export, run_image_export
-from pipeline.export.imatrix import IMATRIX_GGUF, imatrix_source
+from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.export.naming import ShipInfo, data_label
 from pipeline.io.modeldir import model_config, read_train_state, weight_files
 from stages._run.exits import entry
@@ -44,11 +45,13 @@ def body(ctx: StageContext) -> dict[str, float]:
         tags=("smollm-pipeline",),
     )
     reuse = train_dir / IMATRIX_GGUF  # a QAT run's matrix: the one its weights were trained to
+    calibration = ImatrixSource(ctx.paths.packed, WINDOWS * cfg.train.seq_len, cfg.train.seq_len)
     plan = ExportPlan(
         cfg.export.dtype,
         ship,
         cfg.recipe.lora.dropout,
         imatrix_source(cfg, ctx.paths.packed, cfg.export.imatrix, reuse),
+        calibration if budget_mb(cfg.export.dtype) is not None else None,
     )
     metrics = run_export(train_dir, ctx.donor_gguf, ctx.out_dir, plan, provenance)
     files = ", ".join(sorted(p.name for p in ctx.out_dir.iterdir()))

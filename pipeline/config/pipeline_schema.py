@@ -24,14 +24,27 @@ class ExportConfig:
     imatrix: int = 0  # tokens of the train split for an importance matrix (pipeline.export.imatrix); 0 = off
 
     def __post_init__(self) -> None:
-        choice(self.dtype, "export.dtype", EXPORT_TYPES)  # a K-quant's llama.cpp is checked by the stages
+        if self.dtype.startswith(
+            "auto:"
+        ):  # a size budget: the types chosen by measurement (pipeline.export.auto_types)
+            mb = self.dtype.removeprefix("auto:")
+            ok = mb.replace(".", "", 1).isdigit() and float(mb) > 0
+            check(
+                ok,
+                "export.dtype",
+                f"auto:<MB> with a positive size, or one of {', '.join(EXPORT_TYPES)}",
+                self.dtype,
+                "use e.g. auto:20",
+            )
+        else:
+            choice(self.dtype, "export.dtype", EXPORT_TYPES)  # a K-quant's llama.cpp is checked by the stages
         at_least(self.imatrix, "export.imatrix", 0, "use 0 for none, or e.g. 65536 tokens")
         if self.imatrix:
             types = "|".join(IMATRIX_TYPES)
             check(
-                self.dtype in IMATRIX_TYPES,
+                self.dtype in IMATRIX_TYPES or self.dtype.startswith("auto:"),
                 "export.dtype",
-                f"{types} with export.imatrix",
+                f"{types} or auto:<MB> with export.imatrix",
                 self.dtype,
                 "set export.imatrix=0",
             )

@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from pipeline.errors import GGUFError, problem
+from pipeline.export.auto_types import budget_mb, calibration_windows, export_auto
 from pipeline.export.card import CardFacts, model_card
-from pipeline.export.imatrix import ImatrixSource, export_with_imatrix
+from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix, export_with_imatrix
 from pipeline.export.naming import ShipInfo, donor_identity, file_name, general_keys, general_metadata, link_or_copy
 from pipeline.finetune.adapters import plain_model, save_adapter_gguf, save_peft_adapter
 from pipeline.finetune.lora import lora_layers
 from pipeline.gguf.header import count_tensors
+from pipeline.gguf.imatrix import write_imatrix
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import check_export_dtype
 from pipeline.io.files import atomic_dir
@@ -40,6 +44,7 @@ class ExportPlan:
     ship: ShipInfo = field(default_factory=ShipInfo)
     lora_dropout: float = 0.0
     imatrix: ImatrixSource | None = None  # export.imatrix: calibrate the quantized tensors on the corpus
+    calibration: ImatrixSource | None = None  # export.dtype=auto:<MB>: the train windows the types are measured on
 
 
 def run_export(
@@ -48,7 +53,8 @@ def run_export(
     """`model.gguf` (adapters merged, quantized layers dequantized) in `plan.dtype`, its conventional
     name beside it, the model card, plus `adapter.gguf` and `peft/` when the model carries LoRA
     adapters; returns the stage metrics. `provenance` keys override the generated `general.*` ones."""
-    check_export_dtype(plan.dtype)  # before the model loads
+    if budget_mb(plan.dtype) is None:
+        check_export_dtype(plan.dtype)  # before the model loads
     model = load_model_dir(train_dir)
     g = GGUFFile(donor)
     tok_meta = donor_tokenizer_metadata(g)
@@ -60,12 +66,9 @@ def run_export(
     named = file_name(meta, plan.dtype)
     adapters = bool(lora_layers(model))
     with atomic_dir(out_dir) as tmp:
-        if plan.imatrix is None:
-            merged = export_gguf(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype)
-        else:
-            merged = export_with_imatrix(plain, tmp, MODEL_GGUF, tok_meta, keys, plan.dtype, plan.imatrix)
+        merged, metrics = _model_file(plain, tmp, tok_meta, keys, plan)
         link_or_copy(merged, tmp / named)
-        metrics = {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
+        metrics |= {"file_bytes": float(merged.stat().st_size), "tensors": float(count_tensors(merged))}
         if adapters:
             adapter = save_adapter_gguf(model, tmp / ADAPTER_GGUF, keys)  # the merged model's name, base model
             save_peft_adapter(model, tmp / PEFT_DIR, base_model=identity.model_id, dropout=plan.lora_dropout)
@@ -74,6 +77,23 @@ def run_export(
         facts = _facts(train_dir, named, plan, adapters, donor.name)
         (tmp / CARD).write_text(model_card(meta, identity, plan.ship, facts))
     return metrics
+
+
+def _model_file(
+    plain: nn.Module, tmp: Path, tok_meta: dict[str, Any], keys: dict[str, Any], plan: ExportPlan
+) -> tuple[Path, dict[str, float]]:
+    """`tmp/model.gguf` at `plan.dtype`: a fixed type, with the corpus imatrix, or auto:<MB> (`auto_types`)."""
+    if budget_mb(plan.dtype) is not None:
+        if plan.calibration is None:
+            raise ValueError("export.dtype=auto:<MB> needs the plan's calibration windows")
+        windows = calibration_windows(plan.calibration.packed_dir, plan.calibration.seq_len)
+        imx = None if plan.imatrix is None else corpus_imatrix(plain, plan.imatrix)
+        if imx is not None:
+            write_imatrix(tmp / IMATRIX_GGUF, imx)
+        return export_auto(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype, windows, imx, IMATRIX_GGUF)
+    if plan.imatrix is None:
+        return export_gguf(plain, tmp / MODEL_GGUF, tok_meta, keys, plan.dtype), {}
+    return export_with_imatrix(plain, tmp, MODEL_GGUF, tok_meta, keys, plan.dtype, plan.imatrix), {}
 
 
 def run_image_export(train_dir: Path, out_dir: Path, dtype: str, keys: dict[str, Any]) -> dict[str, float]:

@@ -125,6 +125,8 @@ def general_keys(meta: Metadata, arch: str) -> dict[str, TypedValue]:
 def file_name(meta: Metadata, dtype: str) -> str:
     """`<BaseName>-<SizeLabel>-<FineTune>-<Version>-<Encoding>.gguf` by gguf-py's naming_convention."""
     encoding = ENCODINGS.get(dtype, dtype.upper())
+    if dtype.startswith("auto:"):  # a size budget: the types were chosen within it
+        encoding = f"AUTO-{dtype.removeprefix('auto:')}MB"
     return naming_convention(meta.name, meta.basename, meta.finetune, meta.version, meta.size_label, encoding) + ".gguf"
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
 
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf import ggml
@@ -27,6 +27,7 @@ from pipeline.gguf.reader import GGUFFile, TypedValue
 from pipeline.gguf.writer import FILE_TYPES, add_metadata, tensor_type
 from pipeline.io.files import atomic_file
 
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # block types gguf-py quantizes as ggml does
 IMATRIX_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", *K_QUANTS)  # export types whose quantizer uses column weights
 SUM2, COUNTS = ".in_sum2", ".counts"
 
@@ -87,11 +88,20 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     return Imatrix(sums, counts, chunks, int(g.metadata.get("imatrix.chunk_size", 0)), datasets, extra)
 
 
-def quantize_gguf(src: Path, dst: str | os.PathLike[str], dtype: str, imx: Imatrix | None, imx_file: str = "") -> Path:
+def quantize_gguf(
+    src: Path,
+    dst: str | os.PathLike[str],
+    dtype: str,
+    imx: Imatrix | None,
+    imx_file: str = "",
+    types: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """`src` (an f32 GGUF) as an export of `dtype` whose quantized tensors use `imx`'s column weights,
-    written atomically: llama.cpp's types for the K-quant mixes, our writer's for the legacy types."""
+    written atomically: llama.cpp's types for the K-quant mixes, our writer's for the legacy types, or
+    `types` (tensor name -> ggml type name; the others as `dtype` has them) with `extra` metadata."""
     g = GGUFFile(src)
-    types = ggml.tensor_types(src, dtype) if dtype in K_QUANTS else {}
+    types = types or (ggml.tensor_types(src, dtype) if dtype in K_QUANTS else {})
     weights = imx.weights() if imx is not None else {}
     metadata: dict[str, Any] = {k: g.typed_field(k) for k in g.metadata if k != "general.architecture"}
     metadata["general.file_type"] = FILE_TYPES[dtype]
@@ -101,12 +111,13 @@ def quantize_gguf(src: Path, dst: str | os.PathLike[str], dtype: str, imx: Imatr
         metadata["quantize.imatrix.entries_count"] = _i32(len(imx.sums))
         metadata["quantize.imatrix.chunks_count"] = _i32(imx.chunk_count)
         metadata.update(imx.extra)
+    metadata.update(extra or {})
     with atomic_file(dst) as tmp:
         writer = GGUFWriter(tmp, g.architecture)
         add_metadata(writer, metadata)
         for name in g.tensor_names():
             arr = g.tensor(name)
-            qtype = GGMLQuantizationType[types[name]] if types else tensor_type(arr.shape, dtype, name)
+            qtype = GGMLQuantizationType[types[name]] if name in types else tensor_type(arr.shape, dtype, name)
             writer.add_tensor(name, _encode(arr, qtype, weights.get(name)), raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -120,6 +131,8 @@ def _encode(arr: np.ndarray, qtype: GGMLQuantizationType, weights: np.ndarray | 
         return np.ascontiguousarray(arr, dtype=np.float32)
     if qtype == GGMLQuantizationType.F16:
         return np.ascontiguousarray(arr, dtype=np.float16)
+    if weights is None and qtype.name in LEGACY:  # gguf-py writes these bytes too, without llama.cpp's library
+        return quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
     rows = ggml.quantize(arr.reshape(-1, arr.shape[-1]), qtype, weights, threads=os.cpu_count() or 1)
     return rows.reshape(*arr.shape[:-1], rows.shape[-1])  # bytes per row: gguf-py derives the shape
 
