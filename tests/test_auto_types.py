@@ -23,7 +23,7 @@ TINY = ModelConfig(d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, conte
 
 def test_the_greedy_takes_the_cheapest_kl_per_byte_until_the_budget_fits() -> None:
     """Hand-made ladders: `a` loses little per byte, `b` much; a budget that needs one move moves `a`;
-    one that needs both moves both; a move that saves nothing is never taken."""
+    one that needs both moves both; bytes left after an overshooting move buy back the best upgrade."""
     steps = {
         "a": [Step("Q8_0", 100, 0.0), Step("Q4_0", 50, 0.01)],
         "b": [Step("Q8_0", 100, 0.0), Step("Q5_0", 70, 0.03), Step("Q4_0", 50, 0.5)],
@@ -32,6 +32,12 @@ def test_the_greedy_takes_the_cheapest_kl_per_byte_until_the_budget_fits() -> No
     assert {n: s.qtype for n, s in choose(steps, 150).items()} == {"a": "Q4_0", "b": "Q8_0"}
     assert {n: s.qtype for n, s in choose(steps, 120).items()} == {"a": "Q4_0", "b": "Q5_0"}
     assert {n: s.qtype for n, s in choose(steps, 100).items()} == {"a": "Q4_0", "b": "Q4_0"}
+    overshoot = {
+        "a": [Step("Q8_0", 100, 0.0), Step("Q4_0", 50, 0.01)],
+        "b": [Step("Q8_0", 100, 0.0), Step("Q4_0", 10, 0.05)],
+    }
+    # down: a (150 > 140), then b (60); the 80 bytes left buy a back
+    assert {n: s.qtype for n, s in choose(overshoot, 140).items()} == {"a": "Q8_0", "b": "Q4_0"}
 
 
 def test_the_budget_parses_and_bad_ones_name_the_key() -> None:

@@ -4,8 +4,9 @@ A fixed mix (Q4_K_M) spends its bits by llama.cpp's rule of thumb for large mode
 matrices differ in how much each type costs it. So each matrix is quantized alone to each type its rows
 allow (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0; the K-quants need rows of 256 and llama-cpp-python's ggml),
 and the model's KL from the f32 model is measured on a few train windows. Starting from every matrix at
-Q8_0, the step that costs the least KL per byte saved is taken until the file fits the budget (greedy
-over the tensors by sensitivity; the KLs of separate matrices are taken as additive). The chosen types
+Q8_0, the step that costs the least KL per byte saved is taken until the file fits the budget, then the
+bytes left buy back the upgrades worth the most KL per byte (greedy over the tensors by sensitivity; the
+KLs of separate matrices are taken as additive). The chosen types
 are written by `quantize_gguf` (with the importance matrix when export.imatrix is on), logged, and kept
 in the file's metadata (`pipeline.auto.*`).
 """
@@ -106,7 +107,8 @@ def measure(model: nn.Module, matrices: dict[str, nn.Parameter], windows: torch.
 
 def choose(steps: dict[str, list[Step]], budget: int) -> dict[str, Step]:
     """Every matrix's type: from the highest, the move that costs the least KL per byte saved, until the
-    matrices fit `budget` bytes. Moves to a type that is larger or no better are never taken."""
+    matrices fit `budget` bytes; then, as the last move may overshoot (a token table is a fifth of the
+    file), the bytes left buy back the upgrades that remove the most KL per byte (`_fill`)."""
     at = {name: ladder[0] for name, ladder in steps.items()}
     while sum(s.nbytes for s in at.values()) > budget:
         best: tuple[float, str, Step] | None = None
@@ -120,7 +122,22 @@ def choose(steps: dict[str, list[Step]], budget: int) -> dict[str, Step]:
         if best is None:
             break
         at[best[1]] = best[2]
-    return at
+    return _fill(steps, at, budget)
+
+
+def _fill(steps: dict[str, list[Step]], at: dict[str, Step], budget: int) -> dict[str, Step]:
+    """Upgrades that fit the bytes left, the most KL removed per byte added first, until none fits."""
+    while True:
+        room = budget - sum(s.nbytes for s in at.values())
+        best: tuple[float, str, Step] | None = None
+        for name, ladder in steps.items():
+            for step in ladder:
+                added, gain = step.nbytes - at[name].nbytes, at[name].kl - step.kl
+                if 0 < added <= room and gain > 0 and (best is None or gain / added > best[0]):
+                    best = (gain / added, name, step)
+        if best is None:
+            return at
+        at[best[1]] = best[2]
 
 
 FILE_TYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K": 17, "Q5_0": 8, "Q4_K": 15, "Q4_0": 2}  # llama_ftype of a mostly-X file
