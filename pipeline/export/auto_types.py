@@ -3,12 +3,11 @@
 A fixed mix (Q4_K_M) spends its bits by llama.cpp's rule of thumb for large models; a small model's
 matrices differ in how much each type costs it. So each matrix is quantized alone to each type its rows
 allow (Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0; the K-quants need rows of 256 and llama-cpp-python's ggml),
-and the model's KL from the f32 model is measured on a few train windows. Starting from every matrix at
-Q8_0, the step that costs the least KL per byte saved is taken until the file fits the budget, then the
-bytes left buy back the upgrades worth the most KL per byte (greedy over the tensors by sensitivity; the
-KLs of separate matrices are taken as additive). The chosen types
-are written by `quantize_gguf` (with the importance matrix when export.imatrix is on), logged, and kept
-in the file's metadata (`pipeline.auto.*`).
+and the model's KL from the f32 model is measured on a few train windows. The types that fit the budget
+with the least summed KL are then found exactly (a knapsack; the KLs of separate matrices are taken as
+additive: on the default student their sum was within 3% of the joint KL). The chosen types are written
+by `quantize_gguf` (with the importance matrix when export.imatrix is on), logged, and kept in the file's
+metadata (`pipeline.auto.*`).
 """
 
 from __future__ import annotations
@@ -105,23 +104,36 @@ def measure(model: nn.Module, matrices: dict[str, nn.Parameter], windows: torch.
     return steps
 
 
-def choose(steps: dict[str, list[Step]], budget: int) -> dict[str, Step]:
-    """Every matrix's type: from the highest, the move that costs the least KL per byte saved, until the
-    matrices fit `budget` bytes; then, as the last move may overshoot (a token table is a fifth of the
-    file), the bytes left buy back the upgrades that remove the most KL per byte (`_fill`)."""
-    at = {name: ladder[0] for name, ladder in steps.items()}
-    while sum(s.nbytes for s in at.values()) > budget:
-        best: tuple[float, str, Step] | None = None
-        for name, ladder in steps.items():
-            for step in ladder:
-                saved = at[name].nbytes - step.nbytes
-                if saved > 0:
-                    cost = max(step.kl - at[name].kl, 0.0) / saved
-                    if best is None or cost < best[0]:
-                        best = (cost, name, step)
-        if best is None:
-            break
-        at[best[1]] = best[2]
+def choose(steps: dict[str, list[Step]], budget: int, cells: int = 20000) -> dict[str, Step]:
+    """Every matrix's type: the least summed KL whose bytes fit `budget` (a multiple-choice knapsack, solved
+    exactly by dynamic programming over the budget in `cells` units; each type's bytes rounded up to whole
+    units, so the choice always fits). Greedy walks, by KL per byte or at a common price per byte, fail at a
+    large matrix: the token table (a fifth of the file) moved down at once and left 7 MB unused, 0.025 nats of
+    KL where the knapsack finds 0.014 on the default student. The bytes the rounding leaves then buy back the
+    upgrades that remove the most KL per byte (`_fill`)."""
+    names = list(steps)
+    unit = max(1, budget // cells)
+    n = budget // unit
+    best = np.zeros(n + 1)  # least KL of the matrices so far within b units
+    picks = np.zeros((len(names), n + 1), dtype=np.int8)
+    for i, name in enumerate(names):
+        new = np.full(n + 1, np.inf)
+        for j, step in enumerate(steps[name]):
+            u = -(-step.nbytes // unit)
+            if u > n:
+                continue
+            cand = np.full(n + 1, np.inf)
+            cand[u:] = best[: n + 1 - u] + step.kl
+            better = cand < new
+            new[better], picks[i][better] = cand[better], j
+        best = new
+    if not np.isfinite(best[n]):  # nothing fits: the smallest of each (the caller refuses such budgets)
+        return {name: min(steps[name], key=lambda s: s.nbytes) for name in names}
+    at, b = {}, n
+    for i in range(len(names) - 1, -1, -1):
+        step = steps[names[i]][picks[i][b]]
+        at[names[i]] = step
+        b -= -(-step.nbytes // unit)
     return _fill(steps, at, budget)
 
 
