@@ -2,7 +2,8 @@
 imatrix alone, QAT alone and both, against the f32 export of the same run, per type.
 
     python benchmarks/qat_imatrix.py [--types q4_k_m,q4_0] [--tokens 65536] [--windows 4] [--out FILE]
-        [-- extra dvc exp run -S overrides, e.g. data=text data.path=corpus.txt]
+        [--variants ptq,imatrix,qat,qat+imatrix] [--prefix qi]
+        [-- extra dvc exp run -S overrides, e.g. data=text data.path=corpus.txt, or preset=lora]
 
 Each row is one `dvc exp run -n qi-<type>-<variant>` of the project's config (real stages, metrics
 and MLflow runs; the imatrix-only and PTQ rows re-run only export, evaluate and report). The val loss
@@ -64,23 +65,30 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="some of " + ",".join(VARIANTS))
+    ap.add_argument("--prefix", default="qi", help="experiment names' prefix (one per preset run from one commit)")
     ap.add_argument("extra", nargs="*", help="more -S overrides for every run")
     args = ap.parse_args()
     torch.set_num_threads(2)
     seq_len = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["seq_len"]
     rows: dict[str, dict[str, float]] = {}
     off = [f"{k}={v}" for k, v in OFF.items()]
-    rows["f32"] = run("qi-f32", ["export.dtype=f32", *off, *args.extra], [])
+    rows["f32"] = run(f"{args.prefix}-f32", ["export.dtype=f32", *off, *args.extra], [])
     windows = parity_windows(load_split(ROOT / "data/packed", "val"), seq_len, args.windows)
     base = rows["f32"]["val_loss"]
     for dtype in args.types.split(","):
         for variant, keys in VARIANTS.items():
+            if variant not in args.variants.split(","):
+                continue
             overrides = [f"{k}={v.format(dtype=dtype, tokens=args.tokens)}" for k, v in {**OFF, **keys}.items()]
             row = run(
-                f"qi-{dtype}-{variant.replace('+', '-')}", [f"export.dtype={dtype}", *overrides, *args.extra], windows
+                f"{args.prefix}-{dtype}-{variant.replace('+', '-')}",
+                [f"export.dtype={dtype}", *overrides, *args.extra],
+                windows,
             )
             row["rise"] = row["val_loss"] - base
-            row["share_of_ptq"] = row["rise"] / rows[f"{dtype}/ptq"]["rise"] if variant != "ptq" else 1.0
+            ptq = rows.get(f"{dtype}/ptq", {}).get("rise")
+            row["share_of_ptq"] = row["rise"] / ptq if variant != "ptq" and ptq else 1.0
             rows[f"{dtype}/{variant}"] = row
             share = f"{row['share_of_ptq']:.0%} of PTQ's"
             line = f"{dtype:7s} {variant:12s} val {row['val_loss']:.4f} (+{row['rise']:.4f}, {share})"
