@@ -74,7 +74,8 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     off = [f"{k}={v}" for k, v in OFF.items()]
     rows["f32"] = run(f"{args.prefix}-f32", ["export.dtype=f32", *off, *args.extra], [])
-    windows = parity_windows(load_split(ROOT / "data/packed", "val"), seq_len, args.windows)
+    # --windows 0: no parity windows (instruct data, as the fine-tune presets pack, has no running-text split)
+    windows = parity_windows(load_split(ROOT / "data/packed", "val"), seq_len, args.windows) if args.windows else []
     base = rows["f32"]["val_loss"]
     for dtype in args.types.split(","):
         for variant, keys in VARIANTS.items():
