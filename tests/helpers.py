@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,3 +51,15 @@ def transformers_overrides(cfg: TransformerConfig) -> dict[str, int]:
     if cfg.d_ff != 4 * cfg.d_model:
         out["n_inner"] = cfg.d_ff
     return out
+
+
+def run_under_interpreter(test_file: str, min_passed: int) -> None:
+    """`test_file`'s CPU cases again in a child with Triton's interpreter (it must be on before Triton is
+    imported): the kernels' code checked without a GPU; every CPU case ran, none skipped."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda", test_file]
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= min_passed, done.stdout[-2000:]

@@ -9,10 +9,6 @@ compared to bf16 tolerance and fp32 ones to 1e-5.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from pipeline.models.llama import Llama
 from pipeline.models.ops import fused
 from pipeline.models.ops.elementwise import RMSNormFn, SwiGLUFn, apply_rope, rope_tables
 from pipeline.models.transformer import TransformerConfig, init_weights
+from tests.helpers import run_under_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = [
@@ -153,9 +150,4 @@ class _Marked(torch.Tensor):
 @pytest.mark.skipif(fused.INTERPRET, reason="this is the interpreter's child")
 def test_kernels_under_the_interpreter() -> None:
     """Run this file's CPU cases with Triton's interpreter: the kernels' code checked without a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda", __file__]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 15, done.stdout[-2000:]  # every CPU case ran, none skipped
+    run_under_interpreter(__file__, 15)

@@ -6,10 +6,6 @@ Triton's interpreter, in a child process started by `test_the_kernel_under_the_i
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ import torch.nn.functional as F
 
 from pipeline.models.ops import fused, fused_ce
 from pipeline.models.ops.losses import IGNORE_INDEX, linear_cross_entropy
+from tests.helpers import run_under_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = [
@@ -78,9 +75,4 @@ def test_cpu_logits_take_the_plain_softmax_outside_the_interpreter() -> None:
 @pytest.mark.skipif(fused.INTERPRET, reason="this is the interpreter's child")
 def test_the_kernel_under_the_interpreter() -> None:
     """This file's CPU cases with Triton's interpreter: the kernel's code checked without a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda", __file__]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 8, done.stdout[-2000:]  # every CPU case ran, none skipped
+    run_under_interpreter(__file__, 8)
