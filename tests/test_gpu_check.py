@@ -20,5 +20,7 @@ def test_the_gpu_check_runs_its_commands_on_a_cpu(tmp_path: Path) -> None:
     summary = done.stdout.split("=== summary (cpu)", 1)[1]
     assert summary.count("ours-default     skipped: a CUDA-only path") == 3  # one process per shape
     assert summary.count("ratio ours/hf:") == 3 and "ratio ours/hf-static" in summary
-    assert "tests collected" in summary and "error" not in summary.lower()
-    assert {p.name for p in tmp_path.iterdir()} >= {"train_smoke_0.txt", "decode.txt", "pytest_cuda.txt"}
+    assert "tests collected" in summary and "error" not in summary.lower() and "failed" not in summary
+    assert "random 135M-shaped GGUF" in summary and "step: " in summary  # LoRA without the donor; the profile
+    want = {"train_135m.txt", "train_tiny.txt", "train_tiny_default.txt", "decode.txt", "lora.txt", "profile.txt"}
+    assert {p.name for p in tmp_path.iterdir()} >= want

@@ -5,7 +5,10 @@ third or more of a row. `PackedRows` drops the padding before the first block (t
 N real tokens as one sequence), and attention runs per example: the examples are gathered into
 (examples, length) batches, grouped by length so short ones are not padded to the longest, and each
 batch attends causally. Mathematically this is the block-diagonal mask; the work is the examples'
-own (no T x T matrix per row, no padding rows through the matmuls).
+own (no T x T matrix per row, no padding rows through the matmuls). On a GPU with flash attention (bf16 or
+fp16, sm80+) one varlen kernel does all examples at once from their offsets, as flash-attn's varlen API does:
+the buckets' shapes change every batch, and each new shape costs cuDNN's SDPA a new plan on the host
+(~3 ms a call, measured on an H200), which made packed LoRA steps host-bound.
 """
 
 from __future__ import annotations
@@ -53,14 +56,34 @@ class PackedRows:
         example = torch.cumsum(starts.long(), 0) - 1
         positions = torch.arange(len(ids), device=ids.device) - first[example]  # restart at each example
         self.longest = int(lengths.max()) if len(lengths) else 0  # positions run 0 .. longest-1
-        buckets = _buckets(first, lengths, example, positions)
-        order = torch.cat([b.tokens for b in buckets])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
         device = segment_ids.device if device is None else torch.device(device)
-        self._host_keep = keep
-        self.keep, self.positions, self.inverse = (to_device(t, device) for t in (keep, positions, inverse))
-        self.buckets = [Bucket(*(to_device(t, device) for t in (b.gather, b.scatter, b.tokens))) for b in buckets]
+        self._host_keep, self._device, self._examples = keep, device, (first, lengths, example, positions)
+        self.keep, self.positions = (to_device(t, device) for t in (keep, positions))
+        self._buckets: tuple[list[Bucket], torch.Tensor] | None = None
+        self._offsets: torch.Tensor | None = None
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The examples grouped by length, built on first use (the flash path needs none)."""
+        return self._grouped()[0]
+
+    def _grouped(self) -> tuple[list[Bucket], torch.Tensor]:
+        if self._buckets is None:
+            buckets = _buckets(*self._examples)
+            order = torch.cat([b.tokens for b in buckets])
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(order), device=order.device)
+            moved = [Bucket(*(to_device(t, self._device) for t in (b.gather, b.scatter, b.tokens))) for b in buckets]
+            self._buckets = moved, to_device(inverse, self._device)
+        return self._buckets
+
+    def offsets(self) -> torch.Tensor:
+        """(examples + 1,) int32 start of each example among the kept tokens, then their count: flash's cu_seqlens."""
+        if self._offsets is None:
+            first = self._examples[0]
+            ends = torch.cat([first, torch.tensor([len(self._host_keep)], device=first.device)])
+            self._offsets = to_device(ends.to(torch.int32), self._device)
+        return self._offsets
 
     def __len__(self) -> int:
         return len(self.keep)
@@ -73,13 +96,17 @@ class PackedRows:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(1, H, N, D) queries, (1, KV, N, D) keys/values -> (1, H, N, D), each example causal alone."""
         q, k, v = (z[0].transpose(0, 1) for z in (q, k, v))  # (N, heads, D)
+        if flash_varlen_ready(q):
+            out = _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.offsets(), self.longest)
+            return out.transpose(0, 1).unsqueeze(0)
+        buckets, inverse = self._grouped()
         outs = []
-        for b in self.buckets:  # index_select: its backward (index_add) is far cheaper than indexing's
+        for b in buckets:  # index_select: its backward (index_add) is far cheaper than indexing's
             s, length = b.gather.shape
             qb, kb, vb = (z.index_select(0, b.gather.flatten()).view(s, length, *z.shape[1:]) for z in (q, k, v))
             y = causal_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))  # (S, heads, L, D)
             outs.append(y.transpose(1, 2).reshape(s * length, *y.shape[1:2], y.shape[3]).index_select(0, b.scatter))
-        out = torch.cat(outs).index_select(0, self.inverse) if len(outs) > 1 else outs[0]
+        out = torch.cat(outs).index_select(0, inverse) if len(outs) > 1 else outs[0]
         return out.transpose(0, 1).unsqueeze(0)
 
 
@@ -92,6 +119,43 @@ def keep_attend_eager() -> None:
     torch._dynamo, ~1.5 s, at the start of every stage and of `generate`."""
     if PackedRows.attend is _PLAIN_ATTEND:
         PackedRows.attend = torch.compiler.disable(_PLAIN_ATTEND)
+
+
+def flash_varlen_ready(q: torch.Tensor) -> bool:
+    """Whether torch's flash attention kernel takes these (N, H, D) queries: CUDA sm80+, half precision,
+    a head size it was built for."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and d % 8 == 0
+        and d <= 256
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal attention of every packed example at once: (N, H, D) queries, (N, KV, D) keys/values (GQA
+    in the kernel: no repeated heads), examples delimited by `offsets`; torch's own flash kernels, forward
+    and backward, called as `torch.nn.attention.varlen` does (whose signature changed between releases)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, longest: int):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, offsets, offsets, longest, longest, 0.0, True, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, offsets, rng, unused)
+        ctx.longest = longest
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, out, lse, offsets, rng, unused = ctx.saved_tensors
+        n = ctx.longest
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, offsets, offsets, n, n, 0.0, True, rng, unused
+        )
+        return dq, dk, dv, None, None
 
 
 def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, positions: torch.Tensor) -> list:
