@@ -47,6 +47,7 @@ def test_conf_spells_out_every_schema_key() -> None:
         (["model.n_kv_head=4"], "model.n_kv_head"),
         (["optim.lr=0"], "optim.lr"),
         (["optim.lr=-0.1"], "optim.lr"),
+        (["optim.table_lr_scale=-1"], "optim.table_lr_scale"),
         (["train.precision=fp8"], "train.precision"),
         (["recipe.init=magic"], "recipe.init"),
         (["model.d_model=abc"], "model.d_model"),

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from pipeline.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
 from pipeline.data.text import pack
 from pipeline.errors import CheckpointError, ConfigError, NonFiniteError
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.io.modeldir import MODEL_FILE, load_model_dir, save_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
@@ -76,11 +77,16 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "lbfgs"])
+@pytest.mark.parametrize("optimizer", ["adamw", "lbfgs", "adamw-frozen-table"])
 def test_resume_from_a_middle_checkpoint_is_bit_identical(project: Path, tmp_path: Path, optimizer: str) -> None:
+    """Also with the token table frozen (optim.table_lr_scale=0): its checkpoints hold only what trains."""
     optim = OptimConfig(warmup_steps=2) if optimizer == "adamw" else OptimConfig(name="lbfgs", lr=0.5, grad_clip=0)
+    if optimizer == "adamw-frozen-table":
+        optim = OptimConfig(warmup_steps=2, table_lr_scale=0.0)
     full, full_result, plan = run_lib(project, TCFG, tmp_path, optim)
     assert [s for s, _ in ckpt.step_dirs(plan.root)] == [8, 6, 4]
+    saved = safe_open(str(plan.root / ckpt.step_name(4) / MODEL_FILE), "pt").keys()
+    assert set(saved) == set(full.state_dict())  # every weight, a frozen table too (export reads them)
     for s in (8, 6):  # as if the process had died right after writing step 4
         ckpt.shutil.rmtree(plan.root / ckpt.step_name(s))
     resumed, result, _ = run_lib(project, TCFG, tmp_path, optim)

@@ -107,6 +107,26 @@ def test_training_is_reproducible(packed) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.1])
+def test_the_token_table_trains_at_its_own_rate_or_not_at_all(packed, scale: float) -> None:
+    """optim.table_lr_scale: the tied token table moves at that fraction of the blocks' rate (its Adam step
+    is lr-proportional, so ~scale x an unscaled run's move), and at 0 it keeps its initial weights."""
+    train_ids, val_ids = packed
+    tcfg = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=3, log_every=1, precision="fp32")
+    moved = {}
+    for s in (1.0, scale):
+        m = realize(TINY, "scratch", 49152, 0)
+        start = {n: p.detach().clone() for n, p in m.named_parameters()}
+        train(m, train_ids, val_ids, tcfg, OptimConfig(table_lr_scale=s, weight_decay=0.0), 7, progress=False)
+        moved[s] = {n: float((p.detach() - start[n]).abs().max()) for n, p in m.named_parameters()}
+    table, block = "tok_embd.weight", "blocks.0.attn.wq.weight"
+    assert moved[scale][block] > 0 and moved[1.0][table] > 0
+    if scale == 0:
+        assert moved[0.0][table] == 0.0
+    else:
+        assert 0.5 * scale < moved[scale][table] / moved[1.0][table] < 2 * scale
+
+
 def test_grad_accumulation_runs(packed) -> None:
     train_ids, val_ids = packed
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, grad_accum=3, eval_every=2, log_every=1)

@@ -33,6 +33,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # floor of the cosine, as a fraction of lr
+    table_lr_scale: float = 1.0  # the token table's (and an untied head's) rate, as a fraction of lr; 0 freezes it
     cycle_steps: int = 0  # >0: cosine restarts every cycle_steps after warmup
     grad_clip: float = 1.0  # 0 disables clipping
     lbfgs_history: int = 10  # L-BFGS: curvature pairs kept
@@ -48,6 +49,7 @@ class OptimConfig:
         at_least(self.warmup_steps, "optim.warmup_steps", 0, "use e.g. 30")
         check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a value in [0, 1]", self.min_lr_ratio, "use 0.1")
         at_least(self.cycle_steps, "optim.cycle_steps", 0, "use 0 for no restarts")
+        at_least(self.table_lr_scale, "optim.table_lr_scale", 0, "use 1, below 1 to slow it, 0 to freeze")
         at_least(self.grad_clip, "optim.grad_clip", 0, "use 0 to disable")
 
 

@@ -32,17 +32,22 @@ from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.batches import check_batches, check_distill, make_sampler, sequence_length
 from pipeline.training.graphed import GraphedStep, wants_graphs
-from pipeline.training.optim import clip_gradients, gradient_norm, lbfgs_step, lr_at, nonfinite_message, set_lr
+from pipeline.training.optim import (
+    clip_gradients,
+    freeze_table,
+    gradient_norm,
+    lbfgs_step,
+    lr_at,
+    nonfinite_message,
+    set_lr,
+)
 from pipeline.training.qat import QuantSwap
 from pipeline.training.queued import QueuedSteps, defers, nonfinite
-from pipeline.training.resume import CheckpointPlan, LoopState, load_weights, restore, restore_best, save_checkpoint
+from pipeline.training.resume import CheckpointPlan, LoopState, prepare_model, restore, restore_best, save_checkpoint
 from pipeline.training.runtime import (
     HeapGuard,
     autocast,
-    bound_kernel_caches,
     interrupted,
-    keep_freed_memory,
-    pick_device,
     speed_switches,
     stop_on_signals,
     trim_freed_memory,
@@ -116,6 +121,7 @@ def train(
     each val loss (nats/token) into bits per byte, logged as `val_bpb` beside it.
     """
     check_batches(model, train_data, val_data, tcfg, optim)
+    freeze_table(model, optim)  # before a resumed checkpoint's weights load: it holds only what trains
     check_distill(train_data, tcfg, teacher)
     run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher, val_bits_per_token)
     if is_rows(train_data) and run.state.initial_val_loss is None:  # the base model's held-out loss, first
@@ -152,7 +158,7 @@ class _Run:
     ):
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
         self.bits_per_token: float | None = bits  # val loss (nats/token) -> bits per byte
-        self.device = _prepare(model, tcfg, seed, plan)
+        self.device = prepare_model(model, tcfg, optim, seed, plan)
         speed_switches(model, tcfg, self.device)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)
@@ -378,22 +384,3 @@ class _Run:
             optimizer_state=optimizer_state if main else None,
             initial_val_loss=self.state.initial_val_loss,
         )
-
-
-def _prepare(model: nn.Module, tcfg: TrainConfig, seed: int, plan: CheckpointPlan | None) -> torch.device:
-    """This process's device, threads, allocator and seed; the model (resumed weights loaded) on it."""
-    if tcfg.threads > 0:
-        torch.set_num_threads(tcfg.threads)
-    info = dist.env_info()
-    device = dist.rank_device(pick_device(tcfg.device), info)
-    dist.setup(device)
-    if device.type == "cpu":
-        bound_kernel_caches()
-        keep_freed_memory()
-    torch.manual_seed(seed)
-    resume = None if plan is None else plan.resume
-    dist.check_same(0 if resume is None else resume.step, "the step training resumes at", info, device)
-    if resume is not None:
-        load_weights(resume, model)
-    model.to(device).train()
-    return device

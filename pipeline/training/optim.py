@@ -41,9 +41,13 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimize
             max_iter=optim.lbfgs_max_iter,
             line_search_fn="strong_wolfe",
         )
-    decay = [p for p in params if p.ndim >= 2]
+    table = {id(p) for p in table_parameters(model)}
+    decay = [p for p in params if p.ndim >= 2 and id(p) not in table]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    scaled = [p for p in params if id(p) in table]
+    if scaled:  # the token table (and an untied head) at its own rate
+        groups.append({"params": scaled, "weight_decay": optim.weight_decay, "lr_scale": optim.table_lr_scale})
     kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -53,7 +57,20 @@ def make_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimize
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def table_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The token table and an untied output head: what `optim.table_lr_scale` applies to."""
+    return [p for n, p in model.named_parameters() if n.split(".")[-2:-1] in (["tok_embd"], ["head"])]
+
+
+def freeze_table(model: nn.Module, optim: OptimConfig) -> None:
+    """`optim.table_lr_scale=0`: the table and head keep their initial weights and get no gradient (the
+    tied head's weight gradient, a third of its matmuls, is not computed)."""
+    if optim.table_lr_scale == 0:
+        for p in table_parameters(model):
+            p.requires_grad_(False)
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:

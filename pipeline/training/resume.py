@@ -28,6 +28,8 @@ from pipeline.models.transformer import TransformerConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.checkpoint import LoopState
+from pipeline.training.optim import freeze_table
+from pipeline.training.runtime import bound_kernel_caches, keep_freed_memory, pick_device
 from pipeline.training.session import Session, trainable_names
 
 # Settings that change the training trajectory: a checkpoint resumes only a run that agrees on all
@@ -215,3 +217,26 @@ def restore_best(found: ckpt.Checkpoint, state: LoopState, session: Session) -> 
         return session.weights()
     path = found.path / BEST_FILE
     return load_file(str(path)) if path.is_file() else None
+
+
+def prepare_model(
+    model: nn.Module, tcfg: TrainConfig, optim: OptimConfig, seed: int, plan: CheckpointPlan | None
+) -> torch.device:
+    """This process's device, threads, allocator and seed; the model on it, its table frozen where
+    `optim.table_lr_scale` is 0 (before a resumed checkpoint loads: that holds only what trains)."""
+    freeze_table(model, optim)
+    if tcfg.threads > 0:
+        torch.set_num_threads(tcfg.threads)
+    info = dist.env_info()
+    device = dist.rank_device(pick_device(tcfg.device), info)
+    dist.setup(device)
+    if device.type == "cpu":
+        bound_kernel_caches()
+        keep_freed_memory()
+    torch.manual_seed(seed)
+    resume = None if plan is None else plan.resume
+    dist.check_same(0 if resume is None else resume.step, "the step training resumes at", info, device)
+    if resume is not None:
+        load_weights(resume, model)
+    model.to(device).train()
+    return device

@@ -13,7 +13,7 @@ from torch import nn
 from pipeline.config import DistillConfig, OptimConfig, TrainConfig
 from pipeline.models.ops.losses import head_targets
 from pipeline.training import distributed as dist
-from pipeline.training.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state
+from pipeline.training.optim import load_named_optimizer_state, make_optimizer, named_optimizer_state, table_parameters
 
 
 class Forward(nn.Module):
@@ -78,7 +78,9 @@ class Session:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.eval_module = self.module if self.fsdp else model
         trainable = trainable_names(model)
-        self.keep = None if len(trainable) == len(self.names) else trainable
+        frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+        table = {id(p) for p in table_parameters(model)}  # a frozen table is the student's own: saved with it
+        self.keep = None if frozen <= table else trainable
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     def weights(self) -> dict[str, torch.Tensor]:
