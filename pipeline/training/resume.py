@@ -222,8 +222,8 @@ def restore_best(found: ckpt.Checkpoint, state: LoopState, session: Session) -> 
 def prepare_model(
     model: nn.Module, tcfg: TrainConfig, optim: OptimConfig, seed: int, plan: CheckpointPlan | None
 ) -> torch.device:
-    """This process's device, threads, allocator and seed; the model on it, its table frozen where
-    `optim.table_lr_scale` is 0 (before a resumed checkpoint loads: that holds only what trains)."""
+    """This process's device, threads, allocator and seed; the model on it (its token table frozen where
+    `optim.table_lr_scale` is 0, resumed weights loaded)."""
     freeze_table(model, optim)
     if tcfg.threads > 0:
         torch.set_num_threads(tcfg.threads)
