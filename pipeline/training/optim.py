@@ -62,7 +62,7 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 def table_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The token table and an untied output head: what `optim.table_lr_scale` applies to."""
-    return [p for n, p in model.named_parameters() if n.split(".")[-2:-1] in (["tok_embd"], ["head"])]
+    return [p for n, p in model.named_parameters() if n.split(".")[-2:] in (["tok_embd", "weight"], ["head", "weight"])]
 
 
 def freeze_table(model: nn.Module, optim: OptimConfig) -> None:
