@@ -1,7 +1,8 @@
 """A student as its donor's draft model: acceptance and greedy speedup, in llama.cpp and in our decode.
 
     python benchmarks/draft_speed.py [--draft models/export/model.gguf] [--donor smollm2] [--prompts 6]
-        [--prompt-tokens 32] [--new-tokens 64] [--k 4] [--threads 2] [--out FILE]
+        [--prompt-tokens 32] [--new-tokens 64] [--k 2,4] [--p-min 0.2] [--threads 2] [--draft-precision int8]
+        [--out FILE]
 
 Run from the project root after `dvc repro` (it reads the packed val split for prompts). Each prompt
 is `--prompt-tokens` tokens of the val split (spread evenly over it). Each engine decodes each prompt
@@ -14,10 +15,16 @@ greedily for `--new-tokens` tokens twice, the donor alone and the donor with the
   output kept. llama.cpp verifies a batch of k+1 positions where plain decoding runs one, so a
   near-tie can flip: the table counts the prompts whose text differs from the donor alone's and the
   first position where it does.
-- ours (`pipeline.inference.speculative.speculative_greedy`, `generate draft=` runs it): both models
-  packed for `--precision` (fp32 by default: exact against plain greedy).
+- ours (`pipeline.inference.speculative.speculative_greedy`, `generate draft=` runs it): the donor
+  packed for `--precision` (fp32 by default: exact against plain greedy), the draft for
+  `--draft-precision` (int8 by default: the draft's rounding changes its proposals, not the output).
 
-Speedup = the donor alone's wall time over the pair's, summed over the prompts (prefill included).
+Speedup = the donor alone's wall time over the pair's, summed over the prompts (prefill included),
+for each draft length in `--k`. Each engine also times its parts (median of single calls): the
+donor's one-position step t1, its (k+1)-position check tv and the draft's step td. They bound what
+any draft can give on this machine: `ceiling` = (k+1)·t1 / (k·td + tv), the speedup if every
+drafted token were accepted; `predicted` puts the measured drafts and tokens per check in place of
+k and k+1 (a check of d drafts costing t1 + d·(tv - t1)/k).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +69,7 @@ class _Totals:
     def __init__(self) -> None:
         self.alone_s = self.pair_s = 0.0
         self.drafted = self.accepted = self.tokens = 0
+        self.checks = 0  # donor forwards that checked drafts
         self.differ: list[int] = []  # first differing position of each prompt whose text differs
 
     def record(self, alone: list[int], pair: list[int], alone_s: float, pair_s: float) -> None:
@@ -69,8 +78,14 @@ class _Totals:
         if at is not None:
             self.differ.append(at)
 
+    def count(self, drafted: int, accepted: int, checks: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.checks += checks
+
     def summary(self) -> dict[str, float | list[int]]:
         return {
+            "tokens_per_check": self.tokens / max(self.checks, 1),
             "acceptance": self.accepted / max(self.drafted, 1),
             "drafted": self.drafted,
             "donor_alone_tok_s": self.tokens / self.alone_s,
@@ -81,20 +96,63 @@ class _Totals:
         }
 
 
-def ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float | list[int]]:
-    target = for_decoding(load_for_generation(args.donor)[0], args.precision)
-    draft = for_decoding(load_for_generation(str(args.draft))[0], args.precision)
-    totals = _Totals()
-    generate_ids(target, prompts[0], 4)  # warm-up: first-call allocations out of the timings
-    speculative_greedy(target, draft, prompts[0], 4, args.k)
-    for ids in prompts:
+def ceiling(k: int, t1: float, tv: float, td: float, drafted: float | None = None, kept: float | None = None) -> float:
+    """The speedup drafts of per-token cost `td` give a donor whose step costs `t1` and whose check of
+    k+1 positions costs `tv` (linear in between): `drafted` tokens a check, `kept` tokens out of each
+    check (by default k and k+1: every draft full and accepted)."""
+    drafted = k if drafted is None else drafted
+    check = t1 + drafted * (tv - t1) / k
+    return (drafted + 1 if kept is None else kept) * t1 / (drafted * td + check)
+
+
+def median_ms(step: Callable[[], object], undo: Callable[[], object], reps: int = 15) -> float:
+    """The median wall time of `step` in milliseconds, `undo` run (untimed) after each."""
+    times = []
+    for _ in range(reps):
         t0 = time.perf_counter()
-        alone = generate_ids(target, ids, args.new_tokens)
-        t1 = time.perf_counter()
-        spec = speculative_greedy(target, draft, ids, args.new_tokens, args.k)
-        totals.record(alone, spec.ids, t1 - t0, time.perf_counter() - t1)
-        totals.drafted, totals.accepted = totals.drafted + spec.drafted, totals.accepted + spec.accepted
-    return totals.summary()
+        step()
+        times.append(time.perf_counter() - t0)
+        undo()
+    return float(np.median(times) * 1e3)
+
+
+def with_costs(runs: dict[int, _Totals], cost: Callable[[str, int], float]) -> dict[str, object]:
+    """Each draft length's summary with the bound its measured parts set (see the module docstring)."""
+    t1, td = cost("donor", 1), cost("draft", 1)
+    out: dict[str, object] = {"donor_step_ms": t1, "draft_step_ms": td}
+    for k, totals in runs.items():
+        tv, r = cost("donor", k + 1), totals.summary()
+        drafted = r["drafted"] / max(totals.checks, 1)
+        predicted = ceiling(k, t1, tv, td, drafted, r["tokens_per_check"])
+        r.update(check_ms=tv, drafted_per_check=drafted, ceiling=ceiling(k, t1, tv, td), predicted=predicted)
+        out[f"k{k}"] = r
+    return out
+
+
+def ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, object]:
+    target = for_decoding(load_for_generation(args.donor)[0], args.precision)
+    draft = for_decoding(load_for_generation(str(args.draft))[0], args.draft_precision)
+    generate_ids(target, prompts[0], 4)  # warm-up: first-call allocations out of the timings
+    runs = {k: _Totals() for k in args.k}
+    for k, totals in runs.items():
+        speculative_greedy(target, draft, prompts[0], 4, k)
+        for ids in prompts:
+            t0 = time.perf_counter()
+            alone = generate_ids(target, ids, args.new_tokens)
+            t1 = time.perf_counter()
+            spec = speculative_greedy(target, draft, ids, args.new_tokens, k, p_min=args.p_min)
+            totals.record(alone, spec.ids, t1 - t0, time.perf_counter() - t1)
+            totals.count(spec.drafted, spec.accepted, spec.target_calls)
+
+    @torch.inference_mode()
+    def cost(which: str, n: int) -> float:
+        model = target if which == "donor" else draft
+        cache = model.new_cache()
+        model(torch.tensor([prompts[0]]), cache)
+        step = torch.tensor([prompts[1][:n]])
+        return median_ms(lambda: model(step, cache)[0].argmax(-1), lambda: cache.truncate(len(prompts[0])))
+
+    return with_costs(runs, cost)
 
 
 class GreedyDraft:
@@ -102,8 +160,8 @@ class GreedyDraft:
     reusing the student's KV cache for the prefix it shares with the last call. Each call's
     proposal is kept (`calls`) so acceptance can be counted against the output afterwards."""
 
-    def __init__(self, llm, k: int) -> None:
-        self.llm, self.k = llm, k
+    def __init__(self, llm, k: int, p_min: float = 0.0) -> None:
+        self.llm, self.k, self.p_min = llm, k, p_min
         self.calls: list[tuple[int, list[int]]] = []  # (position of the first drafted token, proposal)
 
     def __call__(self, input_ids: np.ndarray, **_: object) -> np.ndarray:
@@ -115,17 +173,21 @@ class GreedyDraft:
         llm.eval(ids[keep:])
         out: list[int] = []
         for _ in range(self.k):  # without logits_all, llama.cpp keeps the last position's logits only
-            out.append(int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)))))
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+            top = int(np.argmax(logits))
+            if self.p_min > 0 and 1.0 / np.exp(logits - logits[top]).sum() < self.p_min:
+                break  # llama-server's --draft-p-min: only confident drafts are sent
+            out.append(top)
             if len(out) < self.k:
                 llm.eval(out[-1:])
         self.calls.append((len(ids), out))
         return np.array(out, dtype=np.intc)
 
-    def count(self, prompt_len: int, output: list[int]) -> tuple[int, int]:
-        """(drafted, accepted) over this prompt's calls, drafts past the output's end not counted."""
-        drafted = accepted = 0
+    def count(self, prompt_len: int, output: list[int]) -> tuple[int, int, int]:
+        """(drafted, accepted, checks) over this prompt's calls, drafts past the output's end not counted."""
+        drafted = accepted = checks = 0
         for at, proposal in self.calls:
-            run = True
+            run, checks = True, checks + (at - prompt_len < len(output))
             for i, tok in enumerate(proposal):
                 p = at + i - prompt_len
                 if p >= len(output):
@@ -134,10 +196,10 @@ class GreedyDraft:
                 run = run and output[p] == tok
                 accepted += run
         self.calls.clear()
-        return drafted, accepted
+        return drafted, accepted, checks
 
 
-def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float | list[int]] | None:
+def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, object] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -145,10 +207,8 @@ def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, fl
         return None
     common = {"n_ctx": 512, "n_threads": args.threads, "n_threads_batch": args.threads, "verbose": False}
     donor = str(resolve_gguf_path(args.donor))
-    alone = Llama(model_path=donor, **common)
-    draft = GreedyDraft(Llama(model_path=str(args.draft), **common), args.k)
-    paired = Llama(model_path=donor, draft_model=draft, **common)
-    totals = _Totals()
+    alone, student = Llama(model_path=donor, **common), Llama(model_path=str(args.draft), **common)
+    runs = {k: _Totals() for k in args.k}
 
     def run(llm: Llama, ids: list[int]) -> tuple[list[int], float]:
         t0, out = time.perf_counter(), []
@@ -158,15 +218,45 @@ def llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, fl
                 break
         return out, time.perf_counter() - t0
 
-    run(alone, prompts[0]), run(paired, prompts[0])  # warm-up
-    draft.calls.clear()
-    for ids in prompts:
-        a, a_s = run(alone, ids)
-        p, p_s = run(paired, ids)
-        totals.record(a, p, a_s, p_s)
-        d, acc = draft.count(len(ids), p)
-        totals.drafted, totals.accepted = totals.drafted + d, totals.accepted + acc
-    return totals.summary()
+    for k, totals in runs.items():
+        draft = GreedyDraft(student, k, args.p_min)
+        paired = Llama(model_path=donor, draft_model=draft, **common)
+        run(alone, prompts[0]), run(paired, prompts[0])  # warm-up
+        draft.calls.clear()
+        for ids in prompts:
+            a, a_s = run(alone, ids)
+            p, p_s = run(paired, ids)
+            totals.record(a, p, a_s, p_s)
+            totals.count(*draft.count(len(ids), p))
+        del paired
+
+    checker = Llama(model_path=donor, logits_all=True, **common)  # as the paired donor runs (all logits)
+
+    def cost(which: str, n: int) -> float:
+        llm = checker if which == "donor" else student
+        llm.reset()
+        llm.eval(prompts[0])
+        held = llm.n_tokens
+
+        def undo() -> None:
+            llm.n_tokens = held
+            llm._ctx.kv_cache_seq_rm(-1, held, -1)
+
+        return median_ms(lambda: llm.eval(prompts[1][:n]), undo)
+
+    return with_costs(runs, cost)
+
+
+def report_line(k: int, r: dict, prompts: int) -> str:
+    """One draft length's figures, as the table in docs/tools.md gives them."""
+    return (
+        f"  k={k}: accepted {r['acceptance']:.1%} of {r['drafted']} drafted, "
+        f"{r['tokens_per_check']:.2f} tokens a check ({r['check_ms']:.1f} ms); "
+        f"donor alone {r['donor_alone_tok_s']:.1f} tok/s, with draft "
+        f"{r['with_draft_tok_s']:.1f}: {r['speedup']:.2f}x (predicted {r['predicted']:.2f}x, ceiling "
+        f"{r['ceiling']:.2f}x at 100%); {r['prompts_differing']} of {prompts} texts differ "
+        f"(first at {r['first_differing_positions']})"
+    )
 
 
 def main() -> None:
@@ -177,9 +267,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=[2, 4], help="draft lengths: 2,4")
+    ap.add_argument("--p-min", type=float, default=0.2, help="the draft stops below this probability (0: never)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"))
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"), help="ours: the donor's")
+    ap.add_argument("--draft-precision", default="int8", choices=("fp32", "bf16", "int8"), help="ours: the draft's")
     ap.add_argument("--engines", default="llamacpp,ours")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -195,11 +287,9 @@ def main() -> None:
         if r is None:
             continue
         result[name] = r
-        print(
-            f"{name:9s} acceptance {r['acceptance']:.1%} of {r['drafted']} drafted; donor alone "
-            f"{r['donor_alone_tok_s']:.1f} tok/s, with draft {r['with_draft_tok_s']:.1f} tok/s: {r['speedup']:.2f}x; "
-            f"{r['prompts_differing']} of {len(prompts)} texts differ (first at {r['first_differing_positions']})"
-        )
+        print(f"{name}: donor step {r['donor_step_ms']:.1f} ms, draft step {r['draft_step_ms']:.2f} ms")
+        for k in args.k:
+            print(report_line(k, r[f"k{k}"], len(prompts)))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -38,11 +38,15 @@ class GenerateConfig:
     device: str = "auto"
     threads: int = 0  # 0: torch's default
     draft: str = ""  # a draft model sharing the vocabulary (a student GGUF): greedy speculative decoding
-    draft_k: int = 4  # tokens the draft proposes per check
+    draft_k: int = 2  # most tokens the draft proposes per check (2: the CPU's check cost jumps at 4 positions)
+    draft_precision: str = "int8"  # the draft's weights: its rounding changes what it proposes, never the output
+    draft_p_min: float = 0.2  # the draft stops at a token it gives less than this (llama.cpp's --draft-p-min)
 
     def __post_init__(self) -> None:
         check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
         integer(self.draft_k, "draft_k", 1, "use e.g. 4")
+        choice(self.draft_precision, "draft_precision", DECODE_PRECISIONS)
+        check(0 <= self.draft_p_min <= 1, "draft_p_min", "a probability in [0, 1]", self.draft_p_min, "use e.g. 0.75")
         greedy = self.temperature <= 0 and self.repetition_penalty == 1.0 and self.cache and not self.lora
         check(
             not self.draft or greedy,

@@ -200,11 +200,12 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
     if cfg.draft:
         draft = load_draft(cfg, tok, model)
         done, s = complete_speculative(
-            model, draft, tok.decode, prompt_ids, cfg.max_new_tokens, cfg.draft_k, stop_ids, stops
+            model, draft, tok.decode, prompt_ids, cfg.max_new_tokens, cfg.draft_k, stop_ids, stops, cfg.draft_p_min
         )
         spec = {
             "draft": cfg.draft,
             "draft_k": cfg.draft_k,
+            "draft_p_min": cfg.draft_p_min,
             "drafted": s.drafted,
             "accepted": s.accepted,
             "acceptance": round(s.acceptance, 4),
@@ -232,9 +233,9 @@ def run_generate(cfg: GenerateConfig) -> dict[str, Any]:
 
 
 def load_draft(cfg: GenerateConfig, tok: GGUFTokenizer, target: nn.Module) -> nn.Module:
-    """The draft model, packed as the target is; it must tokenize exactly as the target does."""
+    """The draft model, packed for `draft_precision`; it must tokenize exactly as the target does."""
     draft, draft_tok, _ = load_for_generation(cfg.draft, cfg.tokenizer_gguf)
-    draft = for_decoding(draft, cfg.precision, model_device(target))
+    draft = for_decoding(draft, cfg.draft_precision, model_device(target))
     if not (isinstance(target, PackedLlama) and isinstance(draft, PackedLlama)):
         found = f"{type(target.cfg).__name__ if hasattr(target, 'cfg') else type(target).__name__} models"
         raise ConfigError(problem(f"draft={cfg.draft}", "llama models (model_path and draft)", found, "drop draft"))

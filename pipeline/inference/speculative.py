@@ -51,11 +51,14 @@ def speculative_greedy(
     max_new_tokens: int,
     k: int = 4,
     stop_ids: tuple[int, ...] = (),
+    p_min: float = 0.0,
 ) -> Speculated:
-    """Up to `max_new_tokens` greedy ids of `target` after `prompt_ids`, drafted `k` at a time by
-    `draft` (a stop id ends the continuation and is not included)."""
-    if not prompt_ids or k < 1:
-        raise ValueError("speculative decoding needs at least one prompt token and k >= 1")
+    """Up to `max_new_tokens` greedy ids of `target` after `prompt_ids`, drafted up to `k` at a time
+    by `draft` (a stop id ends the continuation and is not included). As llama.cpp's `--draft-p-min`,
+    the draft stops proposing at a token its own softmax gives less than `p_min`: an unsure guess
+    costs the target a longer check and is seldom accepted."""
+    if not prompt_ids or k < 1 or not 0.0 <= p_min <= 1.0:
+        raise ValueError("speculative decoding needs at least one prompt token, k >= 1 and 0 <= p_min <= 1")
     if len(prompt_ids) + max_new_tokens + k + 1 > min(target.cfg.context_length, draft.cfg.context_length):
         raise ValueError("prompt + max_new_tokens + k exceeds a model's context_length")
     seq = list(prompt_ids)
@@ -69,10 +72,11 @@ def speculative_greedy(
         out.ids.append(pending)
         if pending in stop_ids or len(out.ids) >= max_new_tokens:
             break
-        proposal = _draft(draft, seq, d_cache, k)
+        proposal = _draft(draft, seq, d_cache, k, p_min)
         checks = _argmax(target, [pending, *proposal], t_cache)  # the target's choice after each
-        n = next((i for i, (d, g) in enumerate(zip(proposal, checks.tolist())) if d != g), k)
-        out.drafted, out.accepted, out.target_calls = out.drafted + k, out.accepted + n, out.target_calls + 1
+        n = next((i for i, (d, g) in enumerate(zip(proposal, checks.tolist())) if d != g), len(proposal))
+        out.drafted, out.accepted = out.drafted + len(proposal), out.accepted + n
+        out.target_calls += 1
         for tok in proposal[:n]:
             seq.append(tok)
             out.ids.append(tok)
@@ -84,14 +88,18 @@ def speculative_greedy(
     return _finish(out, stop_ids, max_new_tokens, start)
 
 
-def _draft(draft: PackedLlama, seq: list[int], cache, k: int) -> list[int]:
-    """`k` greedy draft tokens after `seq`, feeding the draft what its cache does not hold yet."""
+def _draft(draft: PackedLlama, seq: list[int], cache, k: int, p_min: float) -> list[int]:
+    """Up to `k` greedy draft tokens after `seq`, each with probability >= `p_min` under the draft,
+    feeding the draft what its cache does not hold yet."""
     proposal: list[int] = []
     feed = seq[cache.length :]
     for _ in range(k):
-        tok = int(_argmax(draft, feed, cache)[-1])
-        proposal.append(tok)
-        feed = [tok]
+        logits = draft(torch.tensor([feed], device=draft.device), cache)[0, -1].float()
+        prob, tok = torch.softmax(logits, -1).max(-1)
+        if float(prob) < p_min:
+            break
+        proposal.append(int(tok))
+        feed = [int(tok)]
     return proposal
 
 
@@ -148,9 +156,10 @@ def complete_speculative(
     k: int,
     stop_ids: tuple[int, ...] = (),
     stop_strings: Sequence[str] = (),
+    p_min: float = 0.0,
 ) -> tuple[Completion, Speculated]:
     """`sampling.complete` for greedy decoding with a draft: the same ids, text and stop rules."""
-    spec = speculative_greedy(target, draft, prompt_ids, max_new_tokens, k, stop_ids)
+    spec = speculative_greedy(target, draft, prompt_ids, max_new_tokens, k, stop_ids, p_min)
     text = decode(spec.ids)
     cut = find_stop(text, stop_strings)
     stopped_by_id = len(spec.ids) < max_new_tokens
