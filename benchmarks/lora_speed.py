@@ -7,7 +7,8 @@ recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
 
 - `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
   (`make_optimizer`, `autocast`, `clip_gradients`, `bound_kernel_caches`, `keep_freed_memory`), `Llama.loss` on the rows
-  with their segment ids (attention kept inside each packed example).
+  with their segment ids (attention kept inside each packed example); on CPU under the allocator the
+  train stage preloads (`stages._run.malloc`: tcmalloc where installed; transformers keeps glibc's).
 - `ours-ckpt`: `ours` with `train.activation_checkpointing=true` (each block recomputed in backward).
 - `hf`: `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` (transformers dequantizes the
   same file with gguf-py: the same weights), `peft.get_peft_model`, `model(input_ids,
@@ -185,11 +186,16 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from stages._run.malloc import malloc_env
+
     cmd = [sys.executable, __file__, "--child", name, "--base", str(base), "--data", str(data)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
     cmd += ["--rank", str(args.rank), "--dropout", str(args.dropout), "--threads", str(args.threads)]
     cmd += ["--device", args.device]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if not name.startswith("hf") and args.device == "cpu":  # as the train stage runs: tcmalloc where installed
+        env = malloc_env(env)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:  # reported in the table (e.g. a base type a contender refuses), not fatal
         return {"error": (out.stderr.strip().splitlines() or ["exit status " + str(out.returncode)])[-1]}

@@ -216,4 +216,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    entry(main)
+    entry(main, fast_malloc=True)
