@@ -44,9 +44,9 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.model_path), "model_path", "a model", "nothing", "set model_path=smollm2 or a GGUF/dir path")
-        integer(self.draft_k, "draft_k", 1, "use e.g. 4")
+        integer(self.draft_k, "draft_k", 1, "use e.g. 2")
         choice(self.draft_precision, "draft_precision", DECODE_PRECISIONS)
-        check(0 <= self.draft_p_min <= 1, "draft_p_min", "a probability in [0, 1]", self.draft_p_min, "use e.g. 0.75")
+        check(0 <= self.draft_p_min <= 1, "draft_p_min", "a probability in [0, 1]", self.draft_p_min, "use e.g. 0.2")
         greedy = self.temperature <= 0 and self.repetition_penalty == 1.0 and self.cache and not self.lora
         check(
             not self.draft or greedy,

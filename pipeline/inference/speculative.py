@@ -95,8 +95,8 @@ def _draft(draft: PackedLlama, seq: list[int], cache, k: int, p_min: float) -> l
     feed = seq[cache.length :]
     for _ in range(k):
         logits = draft(torch.tensor([feed], device=draft.device), cache)[0, -1].float()
-        prob, tok = torch.softmax(logits, -1).max(-1)
-        if float(prob) < p_min:
+        top, tok = logits.max(-1)
+        if p_min > 0 and float(torch.exp(top - torch.logsumexp(logits, -1))) < p_min:  # the top token's probability
             break
         proposal.append(int(tok))
         feed = [int(tok)]
