@@ -19,6 +19,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,9 @@ import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
-from pipeline.donor.locate import resolve_gguf_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's library, not pip's editable one
+
+from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
 from pipeline.evaluate.lmeval import MODEL_NAME, model_class
 
 EASY = [

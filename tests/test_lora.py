@@ -308,18 +308,27 @@ def test_qlora_trains_adapters_only_and_keeps_blocks(tmp_path: Path) -> None:
         torch.testing.assert_close(merged(x), adapted, atol=1e-5, rtol=1e-5)
 
 
-def test_adapter_dropout_drops_p_of_inputs_scales_the_rest_and_masks_the_gradient() -> None:
+def test_adapter_dropout_drops_p_of_inputs_and_masks_the_gradient() -> None:
+    """The kept entries are returned unscaled with the factor 1/(1-p) the caller owes them; under bf16
+    autocast the output is the bf16 cast (the gradient comes back in the input's dtype)."""
     x = torch.randn(400, 500, requires_grad=True)
     torch.manual_seed(0)
-    y = lora_dropout(x, 0.05, True)
+    y, factor = lora_dropout(x, 0.05, True)
     dropped = y == 0
     assert abs(dropped.float().mean().item() - 0.05) < 0.003  # 200k draws: 5 sigma is 0.0024
-    torch.testing.assert_close(y[~dropped], x[~dropped] / 0.95)
+    assert factor == pytest.approx(1 / 0.95) and torch.equal(y[~dropped], x[~dropped])
     y.sum().backward()
-    assert torch.equal(x.grad == 0, dropped) and torch.allclose(x.grad[~dropped], torch.tensor(1 / 0.95))
+    assert torch.equal(x.grad == 0, dropped) and torch.equal(x.grad[~dropped], torch.ones(int((~dropped).sum())))
     torch.manual_seed(0)
-    assert torch.equal(lora_dropout(x, 0.05, True), y)  # seeded: a resumed run draws the same masks
-    assert lora_dropout(x, 0.05, False) is x and lora_dropout(x, 0.0, True) is x
+    assert torch.equal(lora_dropout(x, 0.05, True)[0], y)  # seeded: a resumed run draws the same masks
+    assert all(lora_dropout(x, p, on)[0] is x for p, on in ((0.05, False), (0.0, True)))
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half, _ = lora_dropout(x, 0.05, True)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, y.bfloat16())
+    x.grad = None
+    half.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad == 0, dropped)
 
 
 def test_lora_matmul_cache_equals_qlora_and_keeps_fp32_exact(tmp_path: Path) -> None:

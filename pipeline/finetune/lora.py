@@ -25,24 +25,27 @@ SUPPORTED_ARCHS = ("llama",)
 
 
 class _Dropout(torch.autograd.Function):
-    """Dropout whose mask comes from 16 random bits per element, four per 64-bit draw (CPU).
+    """Dropout whose mask comes from 16 random bits per element, four per 64-bit draw (CPU), unscaled.
 
     torch's CPU dropout draws one number per element through its Bernoulli sampler: for LoRA on
     q and v that was 9% of a training step (profiled); this is ~4x cheaper. The drop probability is
-    `p` rounded to a multiple of 1/65536. Backward draws the same mask again from the generator's
-    saved state instead of keeping it (a byte per element: 20 MB of a 611-token LoRA step).
+    `p` rounded to a multiple of 1/65536. The output is a copy in `dtype` (bf16 under autocast: the cast
+    the adapter's matmul makes anyway) and is not scaled by 1/(1-p): the caller scales the adapter's
+    rank-r product instead. Backward draws the same mask again from the generator's saved state instead
+    of keeping it (a byte per element: 20 MB of a 611-token LoRA step).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        ctx.rng, ctx.p, ctx.scale = torch.get_rng_state(), p, 1.0 / (1.0 - p)
-        return (x * ctx.scale).masked_fill_(_drop_mask(x.shape, p, None), 0.0)
+    def forward(ctx, x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+        ctx.rng, ctx.p, ctx.x_dtype = torch.get_rng_state(), p, x.dtype
+        return x.to(dtype, copy=True).masked_fill_(_drop_mask(x.shape, p, None), 0.0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         generator = torch.Generator()
         generator.set_state(ctx.rng)
-        return (grad * ctx.scale).masked_fill_(_drop_mask(grad.shape, ctx.p, generator), 0.0), None
+        kept = grad.to(ctx.x_dtype, copy=True).masked_fill_(_drop_mask(grad.shape, ctx.p, generator), 0.0)
+        return kept, None, None
 
 
 def _drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -52,13 +55,15 @@ def _drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None) -
     return (words.view(torch.int16)[:n] < round(p * 65536) - 32768).view(shape)
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """`F.dropout`, through `_Dropout` on CPU."""
+def dropout(x: torch.Tensor, p: float, training: bool) -> tuple[torch.Tensor, float]:
+    """`x` with a fraction `p` of its entries zeroed, and the factor 1/(1-p) the caller still owes the
+    kept ones (`F.dropout` = their product); on CPU through `_Dropout`, in the autocast dtype if any."""
     if not training or p == 0.0:
-        return x
+        return x, 1.0
     if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return _Dropout.apply(x, p)
+        return F.dropout(x, p, True), 1.0
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    return _Dropout.apply(x, p, dtype), 1.0 / (1.0 - p)
 
 
 class LoRALinear(nn.Module):
@@ -75,8 +80,10 @@ class LoRALinear(nn.Module):
         self.p = float(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delta = F.linear(F.linear(dropout(x, self.p, self.training), self.lora_A), self.lora_B)
-        return self.base(x) + delta * self.scaling
+        """The scalings multiply the rank-r product (r/out of the work of scaling the output)."""
+        kept, factor = dropout(x, self.p, self.training)
+        delta = F.linear(F.linear(kept, self.lora_A) * (self.scaling * factor), self.lora_B)
+        return self.base(x) + delta
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A, the (out, in) update merging adds to the base weight (fp32)."""

@@ -61,9 +61,16 @@ def rope_tables(
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(x0*cos - x1*sin, x0*sin + x1*cos) per adjacent pair, in fp32. `RopeFn` writes the halves into
+    place (no stack: a third of the time in bf16 on CPU, the same bits); compiled code and autograd stack
+    (dynamo refuses strided `out=`, autograd any `out=`; inductor fuses the stack)."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+        return in_dtype(torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2), x.dtype)
+    out = torch.empty_like(xf)
+    torch.mul(x0, cos, out=out[..., 0]).sub_(x1 * sin)
+    torch.mul(x0, sin, out=out[..., 1]).add_(x1 * cos)
     return in_dtype(out.flatten(-2), x.dtype)
 
 
@@ -98,10 +105,14 @@ class SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """grad_u = grad*g*sig, grad_g = grad*u*sig*(1 + g*(1-sig)) in fp32, each cast made once and
+        the products in place (the same roundings as the expressions written out: bit-identical)."""
         g, u = ctx.saved_tensors
-        gf, sig = g.float(), torch.sigmoid(g.float())
-        grad_u = (grad.float() * gf * sig).to(u.dtype)
-        grad_g = (grad.float() * u.float() * sig * (1 + gf * (1 - sig))).to(g.dtype)
+        gf, gradf = g.float(), grad.to(torch.float32, copy=True)  # a copy: the products below go into it
+        sig = torch.sigmoid(gf)
+        grad_u = in_dtype((gradf * gf).mul_(sig), u.dtype)
+        slope = torch.rsub(sig, 1).mul_(gf).add_(1)  # 1 + g*(1-sig)
+        grad_g = in_dtype(gradf.mul_(u.float()).mul_(sig).mul_(slope), g.dtype)
         return grad_g, grad_u
 
 

@@ -20,11 +20,6 @@ import torch.nn.functional as F
 
 from pipeline.models.devices import to_device
 
-# A bucket's (examples x length^2) at most this goes through plain matmuls (its attention matrices
-# kept for backward: ~4.7 MB a layer at 9 heads); larger ones through SDPA's fused kernel, which
-# keeps none (on CPU measured 3-4x slower for short examples, about equal at 512 tokens).
-MATH_LIMIT = 2**18
-
 
 @dataclass(frozen=True)
 class Bucket:
@@ -177,49 +172,36 @@ def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal grouped-query attention of (S, H, L, D) queries over (S, KV, L, D) keys/values."""
-    s, h, length, _ = q.shape
-    if s * length * length > MATH_LIMIT:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != k.shape[1])
-    return _MathAttention.apply(q, k, v)
+    if q.device.type == "cpu":
+        return _CpuFlash.apply(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-class _MathAttention(torch.autograd.Function):
-    """Causal GQA attention by plain matmuls that keeps q, k, v and each row's log-sum-exp for backward,
-    not the (S, H, L, L) probabilities: backward rebuilds them with one more matmul, as flash attention
-    does (45 MB of a 611-token LoRA step). Forward is the plain ops (softmax in the input dtype)."""
+class _CpuFlash(torch.autograd.Function):
+    """torch's CPU flash attention kernels, forward and backward, always in fp32 (GQA in the kernel: no
+    repeated heads), keeping q, k, v and the output in their own dtype for backward. On CPU its bf16 kernel
+    is ~1.7x slower than the fp32 one at lengths not a multiple of 64, and the plain-matmul attention
+    with fp32 softmax this replaces was ~2x slower than either (fwd+bwd, 2 threads: `benchmarks/results/
+    lora_speed.md`); the flash kernels are deterministic at any thread count."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        scores = _scores(q, k)
-        probs = torch.softmax(scores, dim=-1)
-        ctx.save_for_backward(q, k, v, torch.logsumexp(scores.to(_accumulate(q)), dim=-1, keepdim=True))
-        return (probs @ v).view(q.shape)
+        with torch.autocast("cpu", enabled=False):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_wide(q, k, v), 0.0, True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, lse = ctx.saved_tensors
-        s, h, length, d = q.shape
-        kv = k.shape[1]
-        probs = torch.exp(_scores(q, k).to(lse.dtype) - lse)  # masked positions: exp(-inf) = 0
-        dout = grad.reshape(s, kv, h // kv * length, d).to(v.dtype)
-        dv = probs.to(v.dtype).transpose(-1, -2) @ dout
-        dp = (dout @ v.transpose(-1, -2)).to(lse.dtype)
-        ds = (probs * (dp - (dp * probs).sum(-1, keepdim=True))).to(q.dtype)
-        dq = (ds @ k).mul_(d**-0.5).view(q.shape)
-        dk = ds.transpose(-1, -2) @ (q.reshape(s, kv, h // kv * length, d) * d**-0.5)
-        return dq, dk, dv
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.autocast("cpu", enabled=False):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *_wide(grad, q, k, v, out), lse, 0.0, True
+            )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _accumulate(t: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """(S, KV, groups*L, L) scaled causal scores (-inf above the diagonal); query head i reads kv head
-    i // groups, so a kv head's queries are consecutive."""
-    s, h, length, d = q.shape
-    kv = k.shape[1]
-    scores = (q * d**-0.5).reshape(s, kv, h // kv * length, d) @ k.transpose(-1, -2)
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    return scores.view(s, kv, h // kv, length, length).masked_fill(~causal, float("-inf")).view(s, kv, -1, length)
+def _wide(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor in fp32 (fp64 stays fp64); the kernels take any strides."""
+    return tuple(t.to(torch.promote_types(t.dtype, torch.float32)) for t in ts)
