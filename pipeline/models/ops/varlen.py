@@ -179,10 +179,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 class _CpuFlash(torch.autograd.Function):
     """torch's CPU flash attention kernels, forward and backward, always in fp32 (GQA in the kernel: no
-    repeated heads), keeping q, k, v and the output in their own dtype for backward. On CPU its bf16 kernel
-    is ~1.7x slower than the fp32 one at lengths not a multiple of 64, and the plain-matmul attention
-    with fp32 softmax this replaces was ~2x slower than either (fwd+bwd, 2 threads: `benchmarks/results/
-    lora_speed.md`); the flash kernels are deterministic at any thread count."""
+    repeated heads), keeping q, k, v and the output in their own dtype for backward. Measured fwd+bwd at 2
+    threads (`benchmarks/results/lora_speed.md`): the bf16 kernel is 1.6-5x slower than the fp32 one (short
+    examples worst), the plain-matmul attention with fp32 softmax this replaces ~2x; the backward is
+    deterministic (tested at 2 and 5 threads), as exact resume needs."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
