@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gpu_common import clock, device_name  # this folder is on sys.path when run as a script
+from gpu_common import clock, device_name  # this folder is on sys.path as a script; it puts ROOT first
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")  # the CPU default
@@ -154,8 +154,6 @@ def hf_step(args: argparse.Namespace, base: str, flat: bool = False):
 
 def child(args: argparse.Namespace) -> dict:
     """One contender in this process: `--steps` steps after `--warmup`; figures as a dict."""
-    sys.path.insert(0, str(ROOT))
-
     from pipeline.data.packed import load_rows
     from pipeline.training.batches import RowSampler
 
@@ -186,7 +184,6 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> dict:
-    sys.path.insert(0, str(ROOT))
     from stages._run.malloc import malloc_env
 
     cmd = [sys.executable, __file__, "--child", name, "--base", str(base), "--data", str(data)]
@@ -305,7 +302,6 @@ def requantized(src: Path, dst: Path, dtype: str) -> Path:
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Every contender's child `--repeats` times, alternated; their figures summarized."""
-    sys.path.insert(0, str(ROOT))
     from pipeline.donor.locate import resolve_gguf_path
     from pipeline.gguf.quantize import llamacpp_quantize
 
