@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import LoraConfig, OptimConfig
 from pipeline.donor.load import load_base
@@ -23,7 +24,7 @@ from pipeline.finetune.lora import (
     lora_state_dict,
     merge_lora,
 )
-from pipeline.finetune.lora import dropout as lora_dropout
+from pipeline.finetune.lora_cpu import dropout as lora_dropout
 from pipeline.finetune.model import prepare_training
 from pipeline.finetune.quant import (
     QuantEmbedding,
@@ -329,6 +330,38 @@ def test_adapter_dropout_drops_p_of_inputs_and_masks_the_gradient() -> None:
     x.grad = None
     half.float().sum().backward()
     assert x.grad.dtype == torch.float32 and torch.equal(x.grad == 0, dropped)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cpu_projection_equals_autograd_of_the_unfused_adapter(autocast: bool) -> None:
+    """`LoRALinear` over a frozen `QuantLinear` on CPU runs as one autograd step: its output and its
+    gradients (input, A, B) equal autograd's graph of base + B A dropout(x) bit for bit, dropout on and
+    off, and with an input that needs no gradient (the first block's)."""
+    g = torch.Generator().manual_seed(0)
+    base = QuantLinear(48, 40, "F32", {"w": torch.randn(40, 48, generator=g) / 7})
+    layer = LoRALinear(base, rank=4, alpha=8, dropout=0.1)
+    with torch.no_grad():
+        layer.lora_A.normal_(generator=g), layer.lora_B.normal_(generator=g)
+    x0, grad = torch.randn(3, 50, 48, generator=g), torch.randn(3, 50, 40, generator=g)
+
+    def unfused(x: torch.Tensor) -> torch.Tensor:
+        kept, factor = lora_dropout(x, layer.p, layer.training)
+        return base(x) + F.linear(F.linear(kept, layer.lora_A) * (layer.scaling * factor), layer.lora_B)
+
+    outputs = {}
+    for training, needs_grad in ((True, True), (False, True), (True, False)):
+        layer.train(training)
+        results = []
+        for run in (unfused, layer):
+            x = x0.clone().requires_grad_(needs_grad)
+            torch.manual_seed(5)  # the same dropout mask for both
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = run(x)
+            wrt = [layer.lora_A, layer.lora_B] + ([x] if needs_grad else [])
+            results.append((y, *torch.autograd.grad(y, wrt, grad.to(y.dtype))))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+        outputs[training] = results[1][0]
+    assert not torch.equal(outputs[True], outputs[False])  # dropout was on
 
 
 def test_lora_matmul_cache_equals_qlora_and_keeps_fp32_exact(tmp_path: Path) -> None:

@@ -19,51 +19,10 @@ from torch import nn
 
 from pipeline.config import LoraConfig
 from pipeline.errors import AdapterError, ConfigError, GGUFError, PipelineError, problem
+from pipeline.finetune.lora_cpu import dropout, project
 from pipeline.models.names import LORA_TARGETS
 
 SUPPORTED_ARCHS = ("llama",)
-
-
-class _Dropout(torch.autograd.Function):
-    """Dropout whose mask comes from 16 random bits per element, four per 64-bit draw (CPU), unscaled.
-
-    torch's CPU dropout draws one number per element through its Bernoulli sampler: for LoRA on
-    q and v that was 9% of a training step (profiled); this is ~4x cheaper. The drop probability is
-    `p` rounded to a multiple of 1/65536. The output is a copy in `dtype` (bf16 under autocast: the cast
-    the adapter's matmul makes anyway) and is not scaled by 1/(1-p): the caller scales the adapter's
-    rank-r product instead. Backward draws the same mask again from the generator's saved state instead
-    of keeping it (a byte per element: 20 MB of a 611-token LoRA step).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
-        ctx.rng, ctx.p, ctx.x_dtype = torch.get_rng_state(), p, x.dtype
-        return x.to(dtype, copy=True).masked_fill_(_drop_mask(x.shape, p, None), 0.0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        generator = torch.Generator()
-        generator.set_state(ctx.rng)
-        kept = grad.to(ctx.x_dtype, copy=True).masked_fill_(_drop_mask(grad.shape, ctx.p, generator), 0.0)
-        return kept, None, None
-
-
-def _drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """True where an element drops: its 16 random bits fall below p (CPU's default generator, or `generator`)."""
-    n = shape.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None, generator=generator)
-    return (words.view(torch.int16)[:n] < round(p * 65536) - 32768).view(shape)
-
-
-def dropout(x: torch.Tensor, p: float, training: bool) -> tuple[torch.Tensor, float]:
-    """`x` with a fraction `p` of its entries zeroed, and the factor 1/(1-p) the caller still owes the
-    kept ones (`F.dropout` = their product); on CPU through `_Dropout`, in the autocast dtype if any."""
-    if not training or p == 0.0:
-        return x, 1.0
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True), 1.0
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-    return _Dropout.apply(x, p, dtype), 1.0 / (1.0 - p)
 
 
 class LoRALinear(nn.Module):
@@ -80,7 +39,10 @@ class LoRALinear(nn.Module):
         self.p = float(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The scalings multiply the rank-r product (r/out of the work of scaling the output)."""
+        """The scalings multiply the rank-r product (r/out of the work of scaling the output); on CPU over
+        a frozen base with `weight_as` (recipe=lora and qlora), `project`'s fused step."""
+        if x.device.type == "cpu" and hasattr(self.base, "weight_as"):
+            return project(x, self, self.training)
         kept, factor = dropout(x, self.p, self.training)
         delta = F.linear(F.linear(kept, self.lora_A) * (self.scaling * factor), self.lora_B)
         return self.base(x) + delta

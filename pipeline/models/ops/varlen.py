@@ -94,6 +94,12 @@ class PackedRows:
         if flash_varlen_ready(q):
             out = _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.offsets(), self.longest)
             return out.transpose(0, 1).unsqueeze(0)
+        if q.device.type == "cpu":
+            return _CpuPacked.apply(q, k, v, self).transpose(0, 1).unsqueeze(0)
+        return self.attend_buckets(q, k, v).transpose(0, 1).unsqueeze(0)
+
+    def attend_buckets(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(N, H, D) -> (N, H, D) through `causal_attention` per bucket, autograd's graph around it."""
         buckets, inverse = self._grouped()
         outs = []
         for b in buckets:  # index_select: its backward (index_add) is far cheaper than indexing's
@@ -101,8 +107,7 @@ class PackedRows:
             qb, kb, vb = (z.index_select(0, b.gather.flatten()).view(s, length, *z.shape[1:]) for z in (q, k, v))
             y = causal_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))  # (S, heads, L, D)
             outs.append(y.transpose(1, 2).reshape(s * length, *y.shape[1:2], y.shape[3]).index_select(0, b.scatter))
-        out = torch.cat(outs).index_select(0, inverse) if len(outs) > 1 else outs[0]
-        return out.transpose(0, 1).unsqueeze(0)
+        return torch.cat(outs).index_select(0, inverse) if len(outs) > 1 else outs[0]
 
 
 _PLAIN_ATTEND = PackedRows.attend
@@ -200,6 +205,57 @@ class _CpuFlash(torch.autograd.Function):
                 *_wide(grad, q, k, v, out), lse, 0.0, True
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _CpuPacked(torch.autograd.Function):
+    """`PackedRows.attend` on CPU: `_CpuFlash` per bucket, with q, k, v and the gradients cast to fp32
+    once per call (not once per bucket) and each bucket's rows put straight into place: autograd's own
+    graph of the gathers zero-filled an (N, heads, D) gradient per gather and scattered into it
+    (index_add), a tenth of a LoRA step's elementwise traffic. The same bits as that graph (tested)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PackedRows) -> torch.Tensor:
+        wide, buckets = _wide(q, k, v), rows.buckets
+        out = torch.empty(q.shape, dtype=q.dtype)
+        kept = []
+        for b in buckets:
+            with torch.autocast("cpu", enabled=False):
+                y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_bucket(wide, b), 0.0, True)
+            y = y.to(q.dtype)
+            out.index_copy_(0, b.tokens, _unbucket(y, b))
+            kept += [y, lse]
+        ctx.save_for_backward(q, k, v, *kept)
+        ctx.buckets = buckets
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, *kept = ctx.saved_tensors
+        wide = _wide(q, k, v)
+        padded = torch.cat([grad.float(), grad.new_zeros(1, *grad.shape[1:], dtype=torch.float32)])
+        grads = [torch.empty(z.shape, dtype=torch.float32) for z in wide]
+        for i, b in enumerate(ctx.buckets):
+            y, lse = kept[2 * i], kept[2 * i + 1]
+            slots = torch.full((b.gather.numel(),), len(q), dtype=torch.long)
+            slots[b.scatter] = b.tokens  # each real slot's token; padded slots read the zero row
+            g = padded.index_select(0, slots).view(*b.gather.shape, *grad.shape[1:]).transpose(1, 2)
+            with torch.autocast("cpu", enabled=False):
+                d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g, *_bucket(wide, b), y.float(), lse, 0.0, True
+                )
+            for full, part in zip(grads, d):
+                full.index_copy_(0, b.tokens, _unbucket(part, b))
+        return (*(g.to(z.dtype) for g, z in zip(grads, (q, k, v))), None)
+
+
+def _bucket(ts: tuple[torch.Tensor, ...], b: Bucket) -> tuple[torch.Tensor, ...]:
+    """(N, heads, D) tensors gathered into the bucket's (S, heads, L, D) examples."""
+    return tuple(t.index_select(0, b.gather.flatten()).view(*b.gather.shape, *t.shape[1:]).transpose(1, 2) for t in ts)
+
+
+def _unbucket(t: torch.Tensor, b: Bucket) -> torch.Tensor:
+    """The bucket's (S, heads, L, D) rows of its real tokens, as (n, heads, D) in `b.tokens` order."""
+    return t.transpose(1, 2).reshape(-1, *t.shape[1:2], t.shape[3]).index_select(0, b.scatter)
 
 
 def _wide(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
