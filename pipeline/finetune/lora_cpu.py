@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.models.devices import matmul_dtype
+
 
 class _Dropout(torch.autograd.Function):
     """Dropout whose mask comes from 16 random bits per element, four per 64-bit draw (CPU), unscaled.
@@ -45,12 +47,6 @@ def drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None) ->
     return (words.view(torch.int16)[:n] < round(p * 65536) - 32768).view(shape)
 
 
-def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul of `x` runs in here: autocast's when it is on, else `x`'s own."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-
-
 def dropout(x: torch.Tensor, p: float, training: bool) -> tuple[torch.Tensor, float]:
     """`x` with a fraction `p` of its entries zeroed, and the factor 1/(1-p) the caller still owes the
     kept ones (`F.dropout` = their product); on CPU through `_Dropout`, in the autocast dtype if any."""
@@ -58,7 +54,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> tuple[torch.Tensor, fl
         return x, 1.0
     if x.device.type != "cpu":
         return F.dropout(x, p, True), 1.0
-    return _Dropout.apply(x, p, matmul_dtype(x)), 1.0 / (1.0 - p)
+    return _Dropout.apply(x, p, matmul_dtype("cpu", x.dtype)), 1.0 / (1.0 - p)
 
 
 class _Projection(torch.autograd.Function):
@@ -100,5 +96,5 @@ class _Projection(torch.autograd.Function):
 
 def project(x: torch.Tensor, layer: nn.Module, training: bool) -> torch.Tensor:
     """`layer`'s output (a `LoRALinear` over a frozen base with `weight_as`) as one autograd step."""
-    p = layer.p if training else 0.0
-    return _Projection.apply(x, layer.lora_A, layer.lora_B, layer.base, p, layer.scaling, matmul_dtype(x))
+    p, dtype = (layer.p if training else 0.0), matmul_dtype(x.device.type, x.dtype)
+    return _Projection.apply(x, layer.lora_A, layer.lora_B, layer.base, p, layer.scaling, dtype)

@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.convert import assign_from_gguf
+from pipeline.models.devices import matmul_dtype
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import LAYOUT, config_from_gguf
 from pipeline.models.names import LLAMA_LAYERS, TOKEN_EMBD
@@ -162,7 +163,7 @@ class _DequantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = matmul_dtype(x.device.type, x.dtype)
         ctx.layer, ctx.dtype, ctx.x_dtype = layer, dtype, x.dtype
         with torch.autocast(device_type=x.device.type, enabled=False):
             return F.linear(x.to(dtype), layer.weight_as(dtype))
@@ -258,8 +259,7 @@ class QuantEmbedding(QuantMatrix):
 
     @property
     def weight(self) -> torch.Tensor:
-        kind = self.device.type
-        return self.weight_as(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32)
+        return self.weight_as(matmul_dtype(self.device.type, torch.float32))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.dequantize_rows(idx.reshape(-1)).view(*idx.shape, self.in_features)

@@ -1,4 +1,4 @@
-"""Moving a host tensor to the GPU without making the host wait.
+"""Moving a host tensor to the GPU without making the host wait, and the dtype matmuls run in now.
 
 A blocking host-to-device copy waits for every kernel already queued on the stream; from pinned memory,
 without blocking, the copy is queued like a kernel and the host goes on (torch's caching host allocator
@@ -18,3 +18,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def matmul_dtype(kind: str, otherwise: torch.dtype) -> torch.dtype:
+    """The dtype a matmul on device type `kind` runs in here: autocast's when it is on, else `otherwise`."""
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else otherwise

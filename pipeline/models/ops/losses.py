@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.models.devices import to_device
+from pipeline.models.devices import matmul_dtype, to_device
 from pipeline.models.ops import fused_ce
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
@@ -153,15 +153,10 @@ def linear_cross_entropy(
     Matmuls run in bf16 when autocast is on (as the plain path would), softmax in fp32. `chunk` rows
     at a time: by default as many as the device's `chunk_sizes` allow.
     """
-    dtype = _matmul_dtype(h)
+    dtype = matmul_dtype(h.device.type, torch.float32)
     sizes = chunk_sizes(h.device)
     chunk = chunk or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype, sizes.block)
-
-
-def _matmul_dtype(h: torch.Tensor) -> torch.dtype:
-    device = h.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
 
 
 def _rows_within(budget: int, row_bytes: int, most: int = DEFAULT_CHUNK) -> int:
@@ -325,7 +320,7 @@ def linear_distill_loss(
     as `top_k_targets` makes them, N positions in all. Memory as `linear_cross_entropy`: one chunk of logits
     (`DEFAULT_CHUNK` rows on a CPU, by default; as the device's `chunk_sizes` allow elsewhere).
     """
-    dtype = _matmul_dtype(h)
+    dtype = matmul_dtype(h.device.type, torch.float32)
     sizes = chunk_sizes(h.device)
     chunk = chunk or sizes.distill_rows or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
     k = teacher[0].shape[-1]

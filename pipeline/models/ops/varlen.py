@@ -30,6 +30,7 @@ class Bucket:
     gather: torch.Tensor
     scatter: torch.Tensor
     tokens: torch.Tensor  # (n,) indices of the bucket's tokens among the kept ones
+    source: torch.Tensor  # (S*L,) the kept token each slot holds, N (one past the last) for padded slots
 
 
 class PackedRows:
@@ -68,7 +69,8 @@ class PackedRows:
             order = torch.cat([b.tokens for b in buckets])
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(len(order), device=order.device)
-            moved = [Bucket(*(to_device(t, self._device) for t in (b.gather, b.scatter, b.tokens))) for b in buckets]
+            fields = ((b.gather, b.scatter, b.tokens, b.source) for b in buckets)
+            moved = [Bucket(*(to_device(t, self._device) for t in f)) for f in fields]
             self._buckets = moved, to_device(inverse, self._device)
         return self._buckets
 
@@ -171,7 +173,9 @@ def _buckets(first: torch.Tensor, lengths: torch.Tensor, example: torch.Tensor, 
         slot_of[members] = torch.arange(len(members), device=first.device)
         tokens = torch.nonzero(slot_of[example] >= 0).squeeze(1)
         scatter = slot_of[example[tokens]] * length + positions[tokens]
-        out.append(Bucket(gather, scatter, tokens))
+        source = torch.full((gather.numel(),), len(example), dtype=torch.long, device=first.device)
+        source[scatter] = tokens
+        out.append(Bucket(gather, scatter, tokens, source))
     return out
 
 
@@ -191,8 +195,7 @@ class _CpuFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", enabled=False):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_wide(q, k, v), 0.0, True)
+        out, lse = _flash(*_wide(q, k, v))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -200,10 +203,7 @@ class _CpuFlash(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast("cpu", enabled=False):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *_wide(grad, q, k, v, out), lse, 0.0, True
-            )
+        dq, dk, dv = _flash_grad(*_wide(grad, q, k, v, out), lse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -219,8 +219,7 @@ class _CpuPacked(torch.autograd.Function):
         out = torch.empty(q.shape, dtype=q.dtype)
         kept = []
         for b in buckets:
-            with torch.autocast("cpu", enabled=False):
-                y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_bucket(wide, b), 0.0, True)
+            y, lse = _flash(*_bucket(wide, b))
             y = y.to(q.dtype)
             out.index_copy_(0, b.tokens, _unbucket(y, b))
             kept += [y, lse]
@@ -231,21 +230,28 @@ class _CpuPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, *kept = ctx.saved_tensors
-        wide = _wide(q, k, v)
-        padded = torch.cat([grad.float(), grad.new_zeros(1, *grad.shape[1:], dtype=torch.float32)])
-        grads = [torch.empty(z.shape, dtype=torch.float32) for z in wide]
+        wide, (grad,) = _wide(q, k, v), _wide(grad)
+        padded = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])  # the row padded slots read
+        grads = [torch.empty(z.shape, dtype=z.dtype) for z in wide]
         for i, b in enumerate(ctx.buckets):
             y, lse = kept[2 * i], kept[2 * i + 1]
-            slots = torch.full((b.gather.numel(),), len(q), dtype=torch.long)
-            slots[b.scatter] = b.tokens  # each real slot's token; padded slots read the zero row
-            g = padded.index_select(0, slots).view(*b.gather.shape, *grad.shape[1:]).transpose(1, 2)
-            with torch.autocast("cpu", enabled=False):
-                d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    g, *_bucket(wide, b), y.float(), lse, 0.0, True
-                )
+            g = padded.index_select(0, b.source).view(*b.gather.shape, *grad.shape[1:]).transpose(1, 2)
+            d = _flash_grad(g, *_bucket(wide, b), y.to(grad.dtype), lse)
             for full, part in zip(grads, d):
                 full.index_copy_(0, b.tokens, _unbucket(part, b))
         return (*(g.to(z.dtype) for g, z in zip(grads, (q, k, v))), None)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash kernel, causal, on (S, heads, L, D) tensors already in fp32 (or fp64): (out, lse)."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+
+
+def _flash_grad(grad, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Its backward: (dq, dk, dv) in the operands' dtype."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True)
 
 
 def _bucket(ts: tuple[torch.Tensor, ...], b: Bucket) -> tuple[torch.Tensor, ...]:
