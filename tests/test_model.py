@@ -156,7 +156,7 @@ def test_the_layers_own_backward_gives_the_same_gradients_under_torch_compile(na
     x = torch.randn(2, 3, 5, 8, generator=g).to(dtype)
     args = {
         "rms_norm": (RMSNormFn.apply, (x, torch.randn(8, generator=g)), (1e-5,)),
-        "rope": (RopeFn.apply, (x,), (torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))),
+        "rope": (RopeFn.apply, (x,), (torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g), False)),
         "swiglu": (SwiGLUFn.apply, (x, torch.randn(2, 3, 5, 8, generator=g).to(dtype)), ()),
     }
     fn, inputs, constants = args[name]

@@ -9,7 +9,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "gpt2", "vit")  # vit: image classification (pipeline.models.vit)
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "gemma3")  # one module (`pipeline.models.llama`), `FAMILIES` tells them apart
+ARCHITECTURES = (*LLAMA_FAMILY, "gpt2", "vit")  # vit: image classification (pipeline.models.vit)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an architecture of the llama family changes in llama's block, as llama.cpp's graph for it
+    computes (src/models/<arch>.cpp): every other rule is llama's."""
+
+    rope_halves: bool = False  # RoPE rotates (x_i, x_{i+d/2}) (NEOX); llama's GGUF rows rotate adjacent pairs
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # an RMSNorm on the attention's and the FFN's output before the residual add
+    gelu: bool = False  # the FFN gate is GELU (tanh approximation), not SiLU
+    embed_scale: bool = False  # token vectors times sqrt(d_model) before the first block
+    sliding: bool = False  # some layers attend within a window, with a RoPE base of their own
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(rope_halves=True, qkv_bias=True),
+    "qwen3": Family(rope_halves=True, qk_norm=True),
+    "gemma3": Family(rope_halves=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True, sliding=True),
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,23 @@ LLAMA_LAYERS: tuple[Layer, ...] = (
 
 # our parameter name inside `blocks.{i}` -> GGUF tensor name inside `blk.{i}`
 LLAMA_BLOCK_TENSORS: dict[str, str] = {f"{x.ours}.weight": f"{x.gguf}.weight" for x in LLAMA_LAYERS}
+# what the other members of the family add to a block, by the `Family` feature that adds it
+FEATURE_TENSORS: dict[str, dict[str, str]] = {
+    "qkv_bias": {f"attn.w{x}.bias": f"attn_{x}.bias" for x in "qkv"},
+    "qk_norm": {"attn.q_norm.weight": "attn_q_norm.weight", "attn.k_norm.weight": "attn_k_norm.weight"},
+    "post_norms": {"post_attn_norm.weight": "post_attention_norm.weight", "post_ffn_norm.weight": "post_ffw_norm.weight"},
+}
+
+
+def block_tensors(arch: str) -> dict[str, str]:
+    """Our parameter name -> GGUF tensor name inside a block of `arch`, a llama-family architecture."""
+    family = FAMILIES[arch]
+    names = dict(LLAMA_BLOCK_TENSORS)
+    for feature, extra in FEATURE_TENSORS.items():
+        if getattr(family, feature):
+            names.update(extra)
+    return names
+
 # LoRA target short name -> our module path inside `blocks.{i}`, in block order
 LORA_TARGETS: dict[str, str] = {x.lora: x.ours for x in LLAMA_LAYERS if x.lora}
 # our module path -> the layer (for adapters: GGUF stem, HF module)

@@ -18,7 +18,7 @@ from pipeline.models.gpt2 import GPT2
 from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, load_llama
-from pipeline.models.names import ARCHITECTURES
+from pipeline.models.names import ARCHITECTURES, LLAMA_FAMILY
 from pipeline.models.transformer import DecoderLM, TransformerConfig
 from pipeline.models.vit import ViT
 from pipeline.models.vit_gguf import export_vit, load_vit
@@ -34,7 +34,7 @@ class Architecture:
 
 
 REGISTRY: dict[str, Architecture] = {
-    "llama": Architecture(Llama, export_llama, lambda g: load_llama(g)[0]),
+    **{arch: Architecture(Llama, export_llama, lambda g: load_llama(g)[0]) for arch in LLAMA_FAMILY},
     "gpt2": Architecture(GPT2, export_gpt2, load_gpt2),
     "vit": Architecture(ViT, export_vit, load_vit),  # image classification: no tokenizer, no llama.cpp
 }

@@ -21,10 +21,11 @@ from torch import nn
 
 from pipeline.errors import ConfigError, problem
 from pipeline.models.devices import to_device
+from pipeline.models.names import FAMILIES, Family
 from pipeline.models.ops.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
 from pipeline.models.ops.varlen import PackedRows
 
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) for RoPE architectures, None otherwise
+Rope = tuple[torch.Tensor, ...] | None  # (cos, sin[, the sliding layers' cos, sin]) for RoPE architectures, else None
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,24 @@ class TransformerConfig:
     donor_dim: int = 0  # >0: embedding table is donor-width, projected by a trainable lens
     arch: str = "llama"
     rope_freq_factors: tuple[float, ...] = ()  # llama3-style per-dimension divisors (GGUF rope_freqs); () = plain
+    key_length: int = 0  # the width of a head (GGUF attention.key_length); 0 = d_model / n_head
+    rope_scale: float = 1.0  # linear RoPE scaling: positions divided by this (GGUF rope.scaling.factor)
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
+    sliding_layers: tuple[bool, ...] = ()  # per layer, whether it slides (GGUF attention.sliding_window_pattern)
+    rope_theta_local: float = 10000.0  # the RoPE base of sliding layers (GGUF rope.freq_base_swa)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.key_length or self.d_model // self.n_head
+
+    @property
+    def family(self) -> Family:
+        """What this llama-family architecture changes in llama's block (`names.FAMILIES`)."""
+        return FAMILIES[self.arch]
+
+    def sliding(self, layer: int) -> bool:
+        """Whether `layer` attends within `sliding_window` keys (with the local RoPE base)."""
+        return bool(self.sliding_window) and layer < len(self.sliding_layers) and self.sliding_layers[layer]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -76,12 +91,13 @@ class TransformerConfig:
         for key, value in d.items():
             if not _CHECKS[key](value):
                 raise ConfigError(problem(f"{where} {key}", _EXPECTED[key], f"{value!r}"[:60], fix))
-        if d["d_model"] % d["n_head"] or d["n_head"] % d["n_kv_head"]:
+        if (not d.get("key_length") and d["d_model"] % d["n_head"]) or d["n_head"] % d["n_kv_head"]:
             found = f"d_model={d['d_model']}, n_head={d['n_head']}, n_kv_head={d['n_kv_head']}"
             raise ConfigError(problem(where, "n_head dividing d_model and n_kv_head dividing n_head", found, fix))
-        if "rope_freq_factors" in d:
-            d = {**d, "rope_freq_factors": tuple(d["rope_freq_factors"])}
-        return cls(**d)
+        if len(d.get("sliding_layers", ())) not in (0, d["n_layer"]):
+            found = f"{len(d['sliding_layers'])} entries for n_layer={d['n_layer']}"
+            raise ConfigError(problem(f"{where} sliding_layers", "one entry per layer", found, fix))
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @classmethod
     def load(cls, path: Path, fix: str = "re-run realize") -> TransformerConfig:
@@ -109,10 +125,15 @@ _CHECKS = {name: _size(1) for name in ("vocab_size", "d_model", "n_head", "n_kv_
 _CHECKS |= {"n_layer": _size(0), "donor_dim": _size(0), "rope_theta": _positive, "norm_eps": _positive}
 _CHECKS |= {"tie_embeddings": lambda v: isinstance(v, bool), "arch": lambda v: isinstance(v, str)}
 _CHECKS["rope_freq_factors"] = lambda v: isinstance(v, (list, tuple)) and all(_positive(x) for x in v)
+_CHECKS |= {"key_length": _size(0), "sliding_window": _size(0), "rope_scale": _positive, "rope_theta_local": _positive}
+_CHECKS["sliding_layers"] = lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v)
 _EXPECTED = {name: f"an integer in [1, {_MAX_SIZE}]" for name in _CHECKS}
 _EXPECTED |= {"n_layer": f"an integer in [0, {_MAX_SIZE}]", "donor_dim": f"an integer in [0, {_MAX_SIZE}]"}
 _EXPECTED |= {"rope_theta": "a positive number", "norm_eps": "a positive number", "tie_embeddings": "true or false"}
 _EXPECTED |= {"arch": "an architecture name", "rope_freq_factors": "a list of positive numbers"}
+_EXPECTED |= {"key_length": f"an integer in [0, {_MAX_SIZE}]", "sliding_window": f"an integer in [0, {_MAX_SIZE}]"}
+_EXPECTED |= {"rope_scale": "a positive number", "rope_theta_local": "a positive number"}
+_EXPECTED["sliding_layers"] = "a list of true/false, one per layer"
 _REQUIRED = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"}
 
 
@@ -135,12 +156,16 @@ class KVCache:
         return k, v
 
 
-def causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor | None:
-    """None when no mask is needed (one new token sees every cached key); else query i sees keys
-    up to its own position."""
-    if t_q == 1:
+def causal_mask(t_q: int, t_k: int, device: torch.device, window: int = 0) -> torch.Tensor | None:
+    """None when no mask is needed (one new token sees every cached key, within its window); else query i
+    sees keys up to its own position, and with `window` only the last `window` of them (itself included),
+    as llama.cpp's sliding layers do."""
+    if t_q == 1 and not 0 < window < t_k:
         return None
-    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+    query = torch.arange(t_k - t_q, t_k, device=device)[:, None]
+    key = torch.arange(t_k, device=device)[None, :]
+    seen = key <= query
+    return seen & (query - key < window) if 0 < window < t_k else seen
 
 
 def attend(
@@ -150,13 +175,17 @@ def attend(
     cache: KVCache | None,
     layer: int,
     rows: PackedRows | None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of (B, H, T, D) queries over the keys, cached ones included; with `rows`
-    (packed examples, padding dropped: B = 1) each example attends to itself only.
+    (packed examples, padding dropped: B = 1) each example attends to itself only; `window` > 0: each
+    query sees only the last `window` keys.
 
     Grouped-query attention: query head h reads kv head h // groups, as llama.cpp does.
     """
     if rows is not None:
+        if 0 < window < rows.longest:
+            raise ValueError(f"packed examples of {rows.longest} tokens exceed the sliding window of {window}")
         return rows.attend(q, k, v)
     if cache is not None:
         k, v = cache.append(layer, k, v)
@@ -164,17 +193,27 @@ def attend(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if cache is None:
+    if cache is None and not 0 < window < k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], k.shape[2], q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.shape[2], k.shape[2], q.device, window))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x)); with post norms (Gemma 3)
+    each branch's output is normalised before it is added."""
 
-    def __init__(self, attn_norm: nn.Module, attn: nn.Module, ffn_norm: nn.Module, ffn: nn.Module):
+    def __init__(
+        self,
+        attn_norm: nn.Module,
+        attn: nn.Module,
+        ffn_norm: nn.Module,
+        ffn: nn.Module,
+        post_norms: tuple[nn.Module, nn.Module] | None = None,
+    ):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+        if post_norms is not None:
+            self.post_attn_norm, self.post_ffn_norm = post_norms
 
     def forward(
         self,
@@ -184,7 +223,11 @@ class Block(nn.Module):
         layer: int = 0,
         rows: PackedRows | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, layer, rows)
+        a = self.attn(self.attn_norm(x), rope, cache, layer, rows)
+        if hasattr(self, "post_attn_norm"):
+            x = x + self.post_attn_norm(a)
+            return x + self.post_ffn_norm(self.ffn(self.ffn_norm(x)))
+        x = x + a
         return x + self.ffn(self.ffn_norm(x))
 
 

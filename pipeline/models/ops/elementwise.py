@@ -40,13 +40,17 @@ class RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dw, None
 
 
-def inverse_frequencies(cfg: TransformerConfig, device: torch.device) -> torch.Tensor:
-    """RoPE's (head_dim/2,) fp32 angular frequencies: base^(-2i/d), divided by llama.cpp's freq_factors if any."""
+def inverse_frequencies(cfg: TransformerConfig, device: torch.device, local: bool = False) -> torch.Tensor:
+    """RoPE's (head_dim/2,) fp32 angular frequencies: base^(-2i/d), divided by llama.cpp's freq_factors if
+    any and by a linear scaling factor; `local`: a sliding layer's (its own base, no scaling, as llama.cpp)."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
-    if cfg.rope_freq_factors:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
+    base = cfg.rope_theta_local if local else cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, half, device=device, dtype=torch.float32) * 2 / cfg.head_dim))
+    if cfg.rope_freq_factors and not local:  # as llama.cpp's freq_factors: theta_i = pos * base^(-2i/d) / factor_i
         factors = torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
         inv_freq = inv_freq / to_device(factors, device)
+    if cfg.rope_scale != 1.0 and not local:  # llama.cpp's freq_scale = 1 / factor
+        inv_freq = inv_freq * (1.0 / cfg.rope_scale)
     return inv_freq
 
 
@@ -60,17 +64,19 @@ def rope_tables(
     return angles.cos(), angles.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """(x0*cos - x1*sin, x0*sin + x1*cos) per adjacent pair, in fp32. `RopeFn` writes the halves into
-    place (no stack: a third of the time in bf16 on CPU, the same bits); compiled code and autograd stack
-    (dynamo refuses strided `out=`, autograd any `out=`; inductor fuses the stack)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """(x0*cos - x1*sin, x0*sin + x1*cos) per pair, in fp32: adjacent pairs (x_2i, x_2i+1), or with
+    `halves` (NEOX) the pairs (x_i, x_i+d/2). `RopeFn` writes the halves into place (no stack: a third
+    of the time in bf16 on CPU, the same bits); compiled code and autograd stack (dynamo refuses strided
+    `out=`, autograd any `out=`; inductor fuses the stack)."""
+    dim = -2 if halves else -1
+    xf = x.float().unflatten(-1, (2, -1) if halves else (-1, 2))
+    x0, x1 = xf.select(dim, 0), xf.select(dim, 1)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
-        return in_dtype(torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2), x.dtype)
+        return in_dtype(torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=dim).flatten(-2), x.dtype)
     out = torch.empty_like(xf)
-    torch.mul(x0, cos, out=out[..., 0]).sub_(x1 * sin)
-    torch.mul(x0, sin, out=out[..., 1]).add_(x1 * cos)
+    torch.mul(x0, cos, out=out.select(dim, 0)).sub_(x1 * sin)
+    torch.mul(x0, sin, out=out.select(dim, 1)).add_(x1 * cos)
     return in_dtype(out.flatten(-2), x.dtype)
 
 
@@ -79,19 +85,21 @@ class RopeFn(torch.autograd.Function):
     (autograd's graph of the fp32 ops kept two fp32 copies of q and of k)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return rotate(x, cos, sin)
+        ctx.halves = halves
+        return rotate(x, cos, sin, halves)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return rotate(grad, cos, -sin), None, None
+        return rotate(grad, cos, -sin, ctx.halves), None, None, None
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x0,x1),(x2,x3)...; x is (B, H, T, D), cos/sin (T, D/2) in fp32."""
-    return RopeFn.apply(x, cos, sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (x0,x1),(x2,x3)... (or with `halves` the pairs (x_i, x_i+D/2)); x is
+    (B, H, T, D), cos/sin (T, D/2) in fp32."""
+    return RopeFn.apply(x, cos, sin, halves)
 
 
 class SwiGLUFn(torch.autograd.Function):
@@ -116,6 +124,22 @@ class SwiGLUFn(torch.autograd.Function):
         return grad_g, grad_u
 
 
+class GeGLUFn(torch.autograd.Function):
+    """gelu_tanh(g) * u keeping only g and u for backward, as `SwiGLUFn` (Gemma's feed-forward)."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return F.gelu(g, approximate="tanh") * u
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u = ctx.saved_tensors
+        grad_u = grad * F.gelu(g, approximate="tanh")
+        grad_g = torch.ops.aten.gelu_backward(grad * u, g, approximate="tanh")
+        return grad_g, grad_u
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_fused: bool = True) -> torch.Tensor:
     """RMSNorm in fp32 whatever the autocast dtype; the Triton kernels where `fused` wants them."""
     if fused.wanted(use_fused, x, weight):
@@ -123,11 +147,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, use_fused: bool 
     return RMSNormFn.apply(x, weight, eps)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
-    """`apply_rope`, through its Triton kernel where `fused` wants it and the tables fit."""
-    if fused.wanted(use_fused, x, cos, sin) and fused.rope_fits(x, cos, sin):
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_fused: bool = True, halves: bool = False):
+    """`apply_rope`, through its Triton kernel (adjacent pairs only) where `fused` wants it and the tables fit."""
+    if not halves and fused.wanted(use_fused, x, cos, sin) and fused.rope_fits(x, cos, sin):
         return fused.rope(x, cos, sin)
-    return apply_rope(x, cos, sin)
+    return apply_rope(x, cos, sin, halves)
+
+
+def geglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(g) * u (no Triton kernel: autograd's Function everywhere)."""
+    return GeGLUFn.apply(g, u)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, use_fused: bool = True) -> torch.Tensor:
