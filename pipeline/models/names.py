@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "gemma3")  # one module (`pipeline.models.llama`), `FAMILIES` tells them apart
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "gemma3")  # one module (`models.llama`); `FAMILIES` tells them apart
 ARCHITECTURES = (*LLAMA_FAMILY, "gpt2", "vit")  # vit: image classification (pipeline.models.vit)
 
 
@@ -67,7 +67,10 @@ LLAMA_BLOCK_TENSORS: dict[str, str] = {f"{x.ours}.weight": f"{x.gguf}.weight" fo
 FEATURE_TENSORS: dict[str, dict[str, str]] = {
     "qkv_bias": {f"attn.w{x}.bias": f"attn_{x}.bias" for x in "qkv"},
     "qk_norm": {"attn.q_norm.weight": "attn_q_norm.weight", "attn.k_norm.weight": "attn_k_norm.weight"},
-    "post_norms": {"post_attn_norm.weight": "post_attention_norm.weight", "post_ffn_norm.weight": "post_ffw_norm.weight"},
+    "post_norms": {
+        "post_attn_norm.weight": "post_attention_norm.weight",
+        "post_ffn_norm.weight": "post_ffw_norm.weight",
+    },
 }
 
 
