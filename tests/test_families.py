@@ -242,3 +242,25 @@ def test_a_config_round_trips_through_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(bad.to_json())
     with pytest.raises(Exception, match="sliding_layers"):
         TransformerConfig.load(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_packed_decoder_computes_the_module(name: str) -> None:
+    """generate/chat's decoder (q/k rows reordered to pairs, fused matmuls, a static cache) gives the
+    module's logits in fp32, whole and one token at a time past the sliding window."""
+    from pipeline.inference.decode import PackedLlama
+
+    model = random_model(CONFIGS[name])
+    packed = PackedLlama(model, "fp32")
+    x = ids(40)
+    whole = logprobs(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x)[0].log_softmax(-1), whole, rtol=0, atol=2e-4)
+        cache = packed.new_cache()
+        steps = [packed(x[:, :8], cache)[0]] + [packed(x[:, i : i + 1], cache)[0] for i in range(8, 40)]
+    torch.testing.assert_close(torch.cat(steps).log_softmax(-1), whole, rtol=0, atol=2e-4)
+    packed.step_mode = "static"  # the CUDA graph's step, run eagerly: the window as a mask over the buffer
+    cache = packed.new_cache()
+    with torch.no_grad():
+        steps = [packed(x[:, :1], cache)[0]] + [packed(x[:, i : i + 1], cache)[0] for i in range(1, 40)]
+    torch.testing.assert_close(torch.cat(steps).log_softmax(-1), whole, rtol=0, atol=2e-4)
