@@ -43,7 +43,7 @@ def test_conf_spells_out_every_schema_key() -> None:
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["model.n_head=7"], "model.n_head"),
+        (["model.arch=llama", "model.n_head=7"], "model.n_head"),
         (["model.n_kv_head=4"], "model.n_kv_head"),
         (["optim.lr=0"], "optim.lr"),
         (["optim.lr=-0.1"], "optim.lr"),

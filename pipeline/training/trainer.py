@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.data.packed import PackMeta, load_data, load_meta
+from pipeline.data.packed import Images, PackMeta, load_data, load_meta
 from pipeline.distill.cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
@@ -20,6 +21,7 @@ from pipeline.finetune.model import prepare_training
 from pipeline.gguf.imatrix import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
@@ -66,6 +68,7 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     try:
         data = load_data(job.packed_dir, "train"), load_data(job.packed_dir, "val")
         teacher = load_teacher(tcfg, job.teach_dir, job.donor, vocab)
+        model.head_vocab = head_vocabulary(tcfg, *data, teacher, vocab)
         result = train(model, *data, tcfg, job.optim, job.seed, hooks, job.plan, job.progress, teacher, bits)
     finally:
         dist.teardown(dist.env_info())
@@ -95,6 +98,26 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
         if imx is not None:
             write_imatrix(tmp / IMATRIX_GGUF, imx)
     return result
+
+
+def head_vocabulary(tcfg: TrainConfig, train_data, val_data, teacher, vocab: int) -> HeadVocab | None:
+    """Training's softmax rows (`train.vocab`): None for the whole vocabulary; else the ids the train and
+    val splits and the teacher's cache hold, and `train.vocab_negatives` sampled others per step."""
+    if not wants_corpus_vocab(tcfg.vocab, vocab) or isinstance(train_data, Images):
+        return None
+    if isinstance(teacher, nn.Module):  # an online teacher's top-k may fall anywhere in the vocabulary
+        if tcfg.vocab == "corpus":
+            raise ConfigError(
+                problem("train.vocab", "full or auto with train.distill.mode=online", "corpus", "set train.vocab=auto")
+            )
+        log.warning("train: the whole vocabulary's softmax: an online teacher's top-k may fall anywhere in it")
+        return None
+    splits = [d if isinstance(d, np.ndarray) else d.input_ids.ravel() for d in (train_data, val_data)]
+    teacher_ids = teacher.ids if isinstance(teacher, TeacherCache) else None
+    used = corpus_vocabulary(splits, teacher_ids, vocab)
+    hv = HeadVocab.of(used, vocab, tcfg.vocab_negatives)
+    log.info(f"train: softmax over the {len(hv.ids):,} of {vocab:,} ids in use, +{hv.negatives:,} others a step")
+    return hv
 
 
 def use_for_qat(model: nn.Module, src: ImatrixSource) -> Imatrix:
