@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 from pipeline.config import ModelConfig, SubcloneConfig
 from pipeline.config.checks import check
-from pipeline.data.packed import load_meta, load_split
+from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_bos
 from pipeline.donor.load import load_llama_donor, student_config
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.io.files import atomic_dir
@@ -135,7 +135,8 @@ def windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torch.Tensor:
     """`n_tokens // seq_len` windows of `seq_len` tokens, evenly spread over the split (deterministic)."""
     n = max(1, n_tokens // seq_len)
     starts = np.linspace(0, len(tokens) - seq_len, n).astype(np.int64)
-    return torch.from_numpy(np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts]))
+    rows = np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts])
+    return torch.from_numpy(begin_with_bos(rows, window_bos(tokens)))
 
 
 def check_calib_fits(n_train: int, calib_seq_len: int, context_length: int, model: str, extra: int = 0) -> None:

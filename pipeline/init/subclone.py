@@ -109,9 +109,7 @@ def _rows(heads: tuple[int, ...], hd: int) -> torch.Tensor:
     return torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in heads])
 
 
-def _block_weights(
-    donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales: np.ndarray, post: np.ndarray
-) -> dict:
+def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales: np.ndarray, post: np.ndarray) -> dict:
     """Student block j: the donor block's kept rows/columns, norms folded, rotated and sliced by `q` (D, k)."""
     layer, hd = sel.layers[j], donor.cfg.head_dim
     b = donor.blocks[layer]

@@ -27,6 +27,7 @@ from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
 from pipeline.training.qat import use_imatrix
 from pipeline.training.resume import CheckpointPlan
+from pipeline.training.validation import validation_loss
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
         teacher = load_teacher(tcfg, job.teach_dir, job.donor, vocab)
         model.head_vocab = head_vocabulary(tcfg, *data, teacher, vocab)
         result = train(model, *data, tcfg, job.optim, job.seed, hooks, job.plan, job.progress, teacher, bits)
+        if model.head_vocab is not None and result.weights is not None:
+            whole_vocabulary_val_loss(model, result, data[1], tcfg)
     finally:
         dist.teardown(dist.env_info())
     if result.weights is None:
@@ -118,6 +121,19 @@ def head_vocabulary(tcfg: TrainConfig, train_data, val_data, teacher, vocab: int
     hv = HeadVocab.of(used, vocab, tcfg.vocab_negatives)
     log.info(f"train: softmax over the {len(hv.ids):,} of {vocab:,} ids in use, +{hv.negatives:,} others a step")
     return hv
+
+
+def whole_vocabulary_val_loss(model: nn.Module, result: TrainResult, val, tcfg: TrainConfig) -> None:
+    """The kept weights' val loss over the whole vocabulary (training validated over the ids in use, a lower
+    bound): what the train stage records, and what evaluate finds again in the export."""
+    model.head_vocab = None
+    model.load_state_dict(result.weights)
+    over_ids = result.kept_val_loss
+    exact = validation_loss(model, val, tcfg.seq_len, tcfg.batch_size, next(model.parameters()).device)
+    log.info(f"train: val loss of the weights kept {exact:.4f} over the whole vocabulary ({over_ids:.4f} over the ids)")
+    if result.kept_step == result.steps:
+        result.final_val_loss = exact
+    result.kept_val_loss = exact
 
 
 def use_for_qat(model: nn.Module, src: ImatrixSource) -> Imatrix:
