@@ -126,10 +126,10 @@ def run_realize(
     donor_dir: Path,
     out_dir: Path,
     seq_len: int = 128,
-    vocab: str = "auto",
+    softmax: str = "auto",
 ) -> dict[str, float]:
     """The realize stage: vocab from the packed data; a fine-tune's base, a subclone of the donor
-    (its step-0 val loss at `seq_len`, over the softmax `vocab` (train.vocab) says), or a new model
+    (its step-0 val loss at `seq_len`, over the softmax `softmax` (train.vocab) says), or a new model
     initialised from the donor stage's PCA (and, for lens, the donor table); written to `out_dir` atomically."""
     if mcfg.arch == "vit":
         return realize_vit(recipe, mcfg, seed, packed_dir, out_dir)
@@ -137,7 +137,7 @@ def run_realize(
     if recipe.finetune:
         return realize_finetune(recipe, donor, vocab, out_dir)
     if recipe.init == "subclone":
-        return realize_subclone(recipe, mcfg, seed, donor, packed_dir, donor_dir, out_dir, seq_len, vocab)
+        return realize_subclone(recipe, mcfg, seed, donor, packed_dir, donor_dir, out_dir, seq_len, softmax)
     lens = PCAResult.load(donor_dir / PCA_FILE) if recipe.init != "scratch" else None
     table = read_donor_embeddings(donor).table if recipe.init == "lens" else None
     model = realize(mcfg, recipe.init, vocab, seed, lens, table, Path(donor))
@@ -250,7 +250,7 @@ def realize_subclone(
     donor_dir: Path,
     out_dir: Path,
     seq_len: int,
-    vocab: str = "auto",
+    softmax: str = "auto",
 ) -> dict[str, float]:
     """Every weight from the donor (pipeline/init/subclone.py), the fp32 val loss before training, and
     `realize.json` saying what the student kept. Returns the stage metrics. A large vocabulary's losses
@@ -260,10 +260,9 @@ def realize_subclone(
         check_split_fits(len(val), "val", 1, seq_len)
     donor, _ = load_llama_donor(Path(donor_path))
     calib = load_calibration(donor, donor_dir)
-    vocab = load_meta(packed_dir).vocab_size
-    cfg = student_config(mcfg, vocab, Path(donor_path))
+    cfg = student_config(mcfg, load_meta(packed_dir).vocab_size, Path(donor_path))
     model, sel = subclone(donor, calib, cfg, recipe.subclone.layers)
-    if wants_corpus_vocab(vocab, cfg.vocab_size):
+    if wants_corpus_vocab(softmax, cfg.vocab_size):
         used = corpus_vocabulary([load_split(packed_dir, "train"), val], None, cfg.vocab_size)
         model.head_vocab = HeadVocab.of(used, cfg.vocab_size, 0)
     report = transfer_report(donor, model, calib, sel)
@@ -279,7 +278,7 @@ def realize_subclone(
     record["subclone"] = {**report, "seq_len": seq_len, "selection": _selection_record(sel)}
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, realize=record)
-    return {**report, "vocab_size": float(vocab)}
+    return {**report, "vocab_size": float(cfg.vocab_size)}
 
 
 def _selection_record(sel: Selection) -> dict[str, list]:

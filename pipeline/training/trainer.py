@@ -21,7 +21,7 @@ from pipeline.finetune.model import prepare_training
 from pipeline.gguf.imatrix import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
-from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab
+from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab, whole_vocabulary
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
@@ -126,10 +126,10 @@ def head_vocabulary(tcfg: TrainConfig, train_data, val_data, teacher, vocab: int
 def whole_vocabulary_val_loss(model: nn.Module, result: TrainResult, val, tcfg: TrainConfig) -> None:
     """The kept weights' val loss over the whole vocabulary (training validated over the ids in use, a lower
     bound): what the train stage records, and what evaluate finds again in the export."""
-    model.head_vocab = None
     model.load_state_dict(result.weights)
     over_ids = result.kept_val_loss
-    exact = validation_loss(model, val, tcfg.seq_len, tcfg.batch_size, next(model.parameters()).device)
+    with whole_vocabulary(model):
+        exact = validation_loss(model, val, tcfg.seq_len, tcfg.batch_size, next(model.parameters()).device)
     log.info(f"train: val loss of the weights kept {exact:.4f} over the whole vocabulary ({over_ids:.4f} over the ids)")
     if result.kept_step == result.steps:
         result.final_val_loss = exact

@@ -15,6 +15,8 @@ the whole vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +57,17 @@ class HeadVocab:
         """Full-vocabulary ids (targets, a teacher's top-k) as positions among the head rows."""
         index = self.index if self.index.device == ids.device else self.index.to(ids.device)
         return index[ids.long()]
+
+
+@contextmanager
+def whole_vocabulary(model: torch.nn.Module) -> Iterator[None]:
+    """`model` scored over its whole head inside the block (the figures a run reports: before and after)."""
+    vocab = getattr(model, "head_vocab", None)
+    model.head_vocab = None
+    try:
+        yield
+    finally:
+        model.head_vocab = vocab
 
 
 def corpus_vocabulary(splits: list[np.ndarray], teacher_ids: np.ndarray | None, vocab_size: int) -> np.ndarray:
