@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import DistillConfig, OptimConfig, TrainConfig  # noqa: E402
 from pipeline.data.packed import load_split  # noqa: E402
 from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
-from pipeline.io.modeldir import load_model_dir  # noqa: E402
+from pipeline.modeldir import load_model_dir  # noqa: E402
 from pipeline.training.loop import train  # noqa: E402
 from pipeline.training.trainer import load_teacher  # noqa: E402
 

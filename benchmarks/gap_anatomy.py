@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.data.packed import load_meta, load_split  # noqa: E402
 from pipeline.donor.load import load_donor  # noqa: E402
 from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
-from pipeline.io.modeldir import load_model_dir  # noqa: E402
+from pipeline.modeldir import load_model_dir  # noqa: E402
 
 
 @torch.no_grad()

@@ -44,10 +44,9 @@ def child(args: argparse.Namespace) -> dict:
 
     from pipeline.config import LoraConfig
     from pipeline.data.packed import load_rows
-    from pipeline.donor.load import load_base
     from pipeline.donor.locate import resolve_gguf_path
     from pipeline.finetune.lora import attach_lora, trainable_summary
-    from pipeline.finetune.model import prepare_training
+    from pipeline.finetune.model import load_base, prepare_training
     from pipeline.training.batches import RowSampler
 
     torch.set_num_threads(args.threads)

@@ -18,15 +18,15 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import load_meta
-from pipeline.export.imatrix import imatrix_source
+from pipeline.export.corpus_imatrix import imatrix_source
 from pipeline.io.files import write_text
-from pipeline.io.lineage import check_init, check_packed, check_teach
-from pipeline.io.modeldir import weight_files
+from pipeline.modeldir import weight_files
 from pipeline.training.checkpoint import Checkpoint
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
 from pipeline.training.trainer import TrainJob, run_train, sized
+from stages._lineage import check_init, check_packed, check_teach
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, Stage, StageContext
 from stages._run.paths import Paths

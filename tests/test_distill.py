@@ -20,17 +20,15 @@ import torch.nn.functional as F
 from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_split, split_fingerprint, spread_spans
+from pipeline.data.teacher_cache import META_FILE, VAL_CHOICE_FILE, TeacherCache, read_meta, read_val_choice
 from pipeline.data.text import pack
-from pipeline.distill.cache import META_FILE, VAL_CHOICE_FILE, TeacherCache, read_meta, read_val_choice
 from pipeline.distill.teach import run_teach, teacher_windows
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError
 from pipeline.inference.speculative import draft_acceptance
 from pipeline.init.realize import realize
 from pipeline.io.files import sha256_file
-from pipeline.io.inputs import donor_record
-from pipeline.io.lineage import check_teach
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.ops.losses import (
     head_targets,
@@ -48,6 +46,8 @@ from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.trainer import load_teacher
 from pipeline.training.validation import scored_windows
+from stages._input_records import donor_record
+from stages._lineage import check_teach
 from stages._run.lifecycle import run_stage
 from stages._run.paths import Paths
 from stages._run.typed import typed_config

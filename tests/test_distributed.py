@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
 from pipeline.errors import ConfigError
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.loop import train

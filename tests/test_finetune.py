@@ -38,7 +38,7 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.inference.generate import load_for_generation
 from pipeline.init.realize import realize_finetune
-from pipeline.io.modeldir import load_model_dir, read_spec
+from pipeline.modeldir import load_model_dir, read_spec
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata

@@ -15,7 +15,7 @@ from pipeline.errors import NonFiniteError
 from pipeline.inference import decode
 from pipeline.inference.decode import PackedLlama
 from pipeline.inference.sampling import generate_ids
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.ops import losses
 from pipeline.models.ops.losses import (

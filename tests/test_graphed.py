@@ -13,7 +13,7 @@ import torch
 from pipeline.config import LoraConfig, OptimConfig
 from pipeline.data.packed import load_split
 from pipeline.finetune.lora import attach_lora
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig
 from pipeline.training import checkpoint as ckpt

@@ -12,14 +12,14 @@ import torch
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
 from pipeline.errors import ConfigError
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.export.exporter import ExportPlan, run_export
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
-from pipeline.gguf.imatrix import Imatrix, quantize_gguf, read_imatrix, write_imatrix
+from pipeline.gguf.imatrix_format import Imatrix, quantize_gguf, read_imatrix, write_imatrix
 from pipeline.gguf.quantize import llamacpp_quantize
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.imatrix import block_matmuls, collect_sums
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata

@@ -23,7 +23,7 @@ from pipeline.data.packed import load_split
 from pipeline.data.text import pack
 from pipeline.errors import CheckpointError, ConfigError, NonFiniteError
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import MODEL_FILE, load_model_dir, save_model_dir
+from pipeline.modeldir import MODEL_FILE, load_model_dir, save_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.loop import train
 from pipeline.training.resume import plan_checkpoints
@@ -193,7 +193,7 @@ def test_when_every_checkpoint_is_corrupt_the_last_report_says_the_run_starts_ov
 
 
 def test_a_train_state_of_wrong_types_is_one_named_line_from_export(project: Path, tmp_path: Path) -> None:
-    from pipeline.io.modeldir import TrainState, read_train_state
+    from pipeline.modeldir import TrainState, read_train_state
 
     train_dir = tmp_path / "models" / "train"
     ckpt.shutil.copytree(project / "models" / "init", train_dir)

@@ -17,7 +17,7 @@ from pipeline.data.packed import load_data, load_images
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.reader import GGUFFile
 from pipeline.init.realize import run_realize
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.models.vit import ViT
 from pipeline.training import checkpoint as ckpt

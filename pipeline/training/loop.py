@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
-from pipeline.distill.cache import TeacherCache
+from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import NonFiniteError
 from pipeline.models.devices import to_device
 from pipeline.models.ops.losses import IGNORE_INDEX

@@ -12,14 +12,14 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import PackMeta, load_data, load_meta
-from pipeline.distill.cache import TeacherCache
+from pipeline.data.teacher_cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix
 from pipeline.finetune.model import prepare_training
-from pipeline.gguf.imatrix import Imatrix, write_imatrix
+from pipeline.gguf.imatrix_format import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
-from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainResult, train
