@@ -25,7 +25,7 @@ from pipeline.config import DistillConfig, OptimConfig, TrainConfig  # noqa: E40
 from pipeline.data.packed import load_split  # noqa: E402
 from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
 from pipeline.modeldir import load_model_dir  # noqa: E402
-from pipeline.training.loop import train  # noqa: E402
+from pipeline.training.loop import TrainJob, train  # noqa: E402
 from pipeline.training.trainer import load_teacher  # noqa: E402
 
 
@@ -39,9 +39,8 @@ def step_rate(mode: str, steps: int, teachers: dict) -> float:
         teachers[mode] = load_teacher(tcfg, ROOT / "data" / "teach", resolve_gguf_path("smollm2"), 49152)
     model = load_model_dir(ROOT / "models" / "init")
     val = load_split(packed, "val")[:1000]  # the one validation at the end, kept short
-    result = train(
-        model, load_split(packed, "train"), val, tcfg, OptimConfig(), 0, progress=False, teacher=teachers[mode]
-    )
+    job = TrainJob(tcfg, OptimConfig(), 0, progress=False)
+    result = train(model, load_split(packed, "train"), val, job, teacher=teachers[mode])
     return statistics.median(h["tokens_per_second"] for h in result.history[1:])
 
 

@@ -46,8 +46,9 @@ from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.models.registry import build_model, load_gguf
 from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
+from pipeline.training.loop import TrainJob
 from pipeline.training.resume import plan_checkpoints
-from pipeline.training.trainer import TrainJob, run_train
+from pipeline.training.trainer import TrainInputs, run_train
 from tests.helpers import masked_cross_entropy
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
@@ -121,7 +122,7 @@ def run_recipe(root: Path, base_path: Path, packed: Path, recipe: str, **train_k
     t = tcfg(**train_kw)
     optim = OPTIM["full" if recipe == "full" else "lora"]
     plan = plan_checkpoints(t, optim, 0, init, packed, root / "checkpoints")
-    result = run_train(TrainJob(init, packed, out, t, optim, 0, plan=plan))
+    result = run_train(TrainInputs(init, packed, out), TrainJob(t, optim, 0, plan=plan))
     return Run(root, base_path, packed, result)
 
 
@@ -251,8 +252,8 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path: Path, lora_run: Run) 
     assert step2.is_dir()
     t = tcfg(resume=str(step2))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, lora_run.dir / "init", lora_run.packed, tmp_path / "ck2")
-    job = TrainJob(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan)
-    resumed = run_train(job)
+    inputs = TrainInputs(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed")
+    resumed = run_train(inputs, TrainJob(t, OPTIM["lora"], 0, plan=plan))
     a = load_file(str(tmp_path / "resumed" / "adapter.safetensors"))
     b = load_file(str(lora_run.dir / "train" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -275,7 +276,9 @@ def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base
     step4 = next((tmp_path / "whole" / "checkpoints").iterdir()) / "step-00000004"
     t = tcfg(steps=12, checkpoint_every=4, eval_every=12, resume=str(step4))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, tmp_path / "whole" / "init", packed, tmp_path / "ck")
-    resumed = run_train(TrainJob(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan))
+    resumed = run_train(
+        TrainInputs(tmp_path / "whole" / "init", packed, tmp_path / "resumed"), TrainJob(t, OPTIM["lora"], 0, plan=plan)
+    )
     again = [h for h in resumed.history if "epoch_train_ppl" in h]
     assert [h["epoch_train_ppl"] for h in again] == [h["epoch_train_ppl"] for h in ends]
 
@@ -440,5 +443,5 @@ def test_instruct_rows_longer_than_the_context_are_named(tmp_path: Path, base: B
     run_pack(data_cfg(base, max_seq_len=256), base.f32, packed)  # the tiny base's context is 128
     realize_finetune(RECIPES["lora"], base.f32, CFG.vocab_size, tmp_path / "init")
     with pytest.raises(ConfigError, match="data.max_seq_len"):
-        run_train(TrainJob(tmp_path / "init", packed, tmp_path / "train", tcfg(), OPTIM["lora"], 0))
+        run_train(TrainInputs(tmp_path / "init", packed, tmp_path / "train"), TrainJob(tcfg(), OPTIM["lora"], 0))
     assert np.load(packed / "train.npz")["input_ids"].shape[1] == 256
