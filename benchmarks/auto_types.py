@@ -14,20 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 import yaml
+from harness import ROOT, exp_run, read_metrics  # first: this checkout's library on sys.path
+from qat_imatrix import window_losses
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.donor_transfer import exp_run  # noqa: E402
-from benchmarks.qat_imatrix import window_losses  # noqa: E402
-from pipeline.data.packed import load_split  # noqa: E402
-from pipeline.evaluate.parity import parity_windows  # noqa: E402
-from pipeline.gguf.quantize import llamacpp_installed  # noqa: E402
+from pipeline.data.packed import load_split
+from pipeline.evaluate.parity import parity_windows
+from pipeline.gguf.quantize import llamacpp_installed
 
 EXPORT = ROOT / "models/export/model.gguf"
 
@@ -35,7 +31,7 @@ EXPORT = ROOT / "models/export/model.gguf"
 def run(name: str, overrides: list[str], windows: list[list[int]]) -> dict[str, float]:
     """One experiment: evaluate's val loss, the file's size, both readers' loss on the parity windows."""
     wall = exp_run(["-n", name], overrides)
-    row = {"val_loss": json.loads((ROOT / "metrics/evaluate.json").read_text())["val_loss"], "wall_seconds": wall}
+    row = {"val_loss": read_metrics("evaluate")["val_loss"], "wall_seconds": wall}
     row["mb"] = EXPORT.stat().st_size / 1e6
     if windows and llamacpp_installed():
         row["ours_window_loss"], row["llamacpp_window_loss"] = window_losses(EXPORT, windows)

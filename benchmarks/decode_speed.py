@@ -1,6 +1,7 @@
 """Greedy decode speed of our model vs llama.cpp (llama-cpp-python) on the SmolLM2 GGUF, side by side.
 
     python benchmarks/decode_speed.py [--new-tokens 64] [--threads 1 2] [--repeats 3] [--prompt "..."] [--eager]
+        [--out benchmarks/results/decode_cpu.json]
 
 Both decode the same prompt ids (our tokenizer) for the same number of new tokens, greedily, on
 the same number of threads, after a warm-up; runs are interleaved (ours int8, bf16, fp32 as
@@ -33,6 +34,7 @@ The same run on this CPU at toy size (proves the code paths; the figures mean no
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -40,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 from decode_contenders import CONTENDERS, run_all, timed  # this folder is on sys.path when run as a script
+from harness import write_results
 
 from pipeline.donor.locate import resolve_gguf_path
 from pipeline.inference.chat_session import common_prefix
@@ -109,13 +112,15 @@ def bench(
     return results
 
 
-def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> None:
+def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: int, tok) -> dict[str, dict]:
+    """The table of one thread count, printed; its rows by engine, returned."""
     print(f"\n{threads} thread(s): decode tok/s = (n-1)/decode time, median of {len(results['llama.cpp'])} runs")
     head = ("decode tok/s", "prefill s", "vs llama.cpp", "same leading ids", "teacher-forced", "vs fp32")
     print(f"{'':11} {head[0]:>12} {head[1]:>10} {head[2]:>12} {head[3]:>17} {head[4]:>15}  {head[5]}")
     ref_ids = results["llama.cpp"][0][0]
     ref_rate = statistics.median((n - 1) / d for _, _, d in results["llama.cpp"])
     fp32_ids = results["ours fp32"][0][0]
+    rows = {}
     for name, runs in results.items():
         rate = statistics.median((n - 1) / d for _, _, d in runs)
         prefill = statistics.median(p for _, p, _ in runs)
@@ -125,10 +130,23 @@ def report(threads: int, results: dict, models: dict, prompt_ids: list[int], n: 
         vs_fp32 = disagreements_vs_fp32(models[name], fp32, prompt_ids, fp32_ids) if name in models else ""
         cells = f"{rate:12.1f} {prefill:10.3f} {rate / ref_rate:11.3f}x {lead:>11}/{n} {forced:>11}/{n}"
         print(f"{name:11} {cells}  {vs_fp32}")
+        rows[name] = {"tok_s": rate, "prefill_s": prefill, "vs_llamacpp": rate / ref_rate, "teacher_forced": forced}
     print(f"llama.cpp text: {tok.decode(ref_ids)!r}")
     for name in models:
         if results[name][0][0] != ref_ids:
             print(f"{name} text: {tok.decode(results[name][0][0])!r}")
+    return rows
+
+
+def figures(tables: dict[int, dict[str, dict]]) -> dict[str, str]:
+    """The named figures the docs quote: per thread count and engine, decode tok/s and the ratio to llama.cpp."""
+    out = {}
+    for threads, rows in tables.items():
+        for name, row in rows.items():
+            slug = f"t{threads}_{name.replace('ours ', '').replace('.', '').replace(' ', '_')}"
+            out[f"{slug}_tok_s"] = f"{row['tok_s']:.1f}"
+            out[f"{slug}_vs_llamacpp"] = f"{row['vs_llamacpp']:.2f}x"
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -145,6 +163,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shape", default="135m", help="with --donor random: a shape of gpu_common.named_shapes")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="with --contenders: the prompt cycled to this")
     ap.add_argument("--warmup", type=int, default=2, help="with --contenders: untimed runs first")
+    ap.add_argument("--out", help="CPU vs llama.cpp: write the results file here (benchmarks/results/decode_cpu.json)")
     args = ap.parse_args()
     if args.device == "cuda" and not args.contenders:
         args.contenders = ",".join(CONTENDERS)
@@ -174,9 +193,18 @@ def main() -> None:
     peer_mb = sum(g.tensor_info(name).n_bytes for name in g.tensor_names()) / 1e6
     sizes = "; ".join(f"{name} {weight_bytes(m) / 1e6:.0f} MB" for name, m in models.items())
     print(f"weights read per token: {sizes}; llama.cpp {peer_mb:.0f} MB (Q4_1 blocks, Q8_0 embedding/head)")
+    load_before, tables = os.getloadavg()[0], {}
     for threads in args.threads:
         results = bench(threads, models, str(path), prompt_ids, args.new_tokens, args.repeats)
-        report(threads, results, models, prompt_ids, args.new_tokens, tok)
+        tables[threads] = report(threads, results, models, prompt_ids, args.new_tokens, tok)
+    if args.out:
+        data = {
+            "prompt_tokens": len(prompt_ids),
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "tables": tables,
+        }
+        write_results(args.out, figures(tables), data, load_before)
 
 
 if __name__ == "__main__":

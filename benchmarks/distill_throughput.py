@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from harness import ROOT  # first: this checkout's library on sys.path
 
-from pipeline.config import DistillConfig, OptimConfig, TrainConfig  # noqa: E402
-from pipeline.data.packed import load_split  # noqa: E402
-from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
-from pipeline.io.modeldir import load_model_dir  # noqa: E402
-from pipeline.training.loop import train  # noqa: E402
-from pipeline.training.trainer import load_teacher  # noqa: E402
+from pipeline.config import DistillConfig, OptimConfig, TrainConfig
+from pipeline.data.packed import load_split
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.modeldir import load_model_dir
+from pipeline.training.loop import TrainJob, train
+from pipeline.training.trainer import load_teacher
 
 
 def step_rate(mode: str, steps: int, teachers: dict) -> float:
@@ -39,9 +36,8 @@ def step_rate(mode: str, steps: int, teachers: dict) -> float:
         teachers[mode] = load_teacher(tcfg, ROOT / "data" / "teach", resolve_gguf_path("smollm2"), 49152)
     model = load_model_dir(ROOT / "models" / "init")
     val = load_split(packed, "val")[:1000]  # the one validation at the end, kept short
-    result = train(
-        model, load_split(packed, "train"), val, tcfg, OptimConfig(), 0, progress=False, teacher=teachers[mode]
-    )
+    job = TrainJob(tcfg, OptimConfig(), 0, progress=False)
+    result = train(model, load_split(packed, "train"), val, job, teacher=teachers[mode])
     return statistics.median(h["tokens_per_second"] for h in result.history[1:])
 
 

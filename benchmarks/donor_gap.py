@@ -22,8 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from donor_transfer import _read, exp_run  # noqa: E402
+from harness import exp_run, read_metrics
 
 RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
 
@@ -43,7 +42,7 @@ def data_overrides(spec: str) -> tuple[str, list[str]]:
 def run(name: str, overrides: list[str]) -> dict[str, float]:
     """One `dvc exp run`; its metrics read back from the workspace it leaves."""
     wall = exp_run(["--force", "-n", name], overrides)  # every stage runs: the wall time is a cold run
-    ev, tr, teach, pack = (_read(f"metrics/{s}.json") for s in ("evaluate", "train", "teach", "pack"))
+    ev, tr, teach, pack = (read_metrics(s) for s in ("evaluate", "train", "teach", "pack"))
     return {
         "val_loss": ev["val_loss"],
         "donor_val_loss": ev.get("donor_val_loss", float("nan")),

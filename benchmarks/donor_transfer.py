@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import exp_run, read_metrics
+
 METHODS: dict[str, tuple[str, ...]] = {
     "scratch": ("recipe=from-scratch", "optim=adamw"),
     "pca": ("recipe=warm-start", "optim=adamw"),
@@ -43,24 +40,10 @@ METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
-def exp_run(args: list[str], overrides: list[str]) -> float:
-    """`dvc exp run <args> -S o ...` in the project with this venv first on PATH; its wall seconds
-    (the process exits naming the command and its output's tail if it fails)."""
-    args = ["dvc", "exp", "run", *args]
-    for override in overrides:
-        args += ["-S", override]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    start = time.perf_counter()
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return time.perf_counter() - start
-
-
 def run_method(name: str, steps: int, extra: list[str]) -> dict[str, float]:
     """One `dvc exp run` of `name`; its metrics read back from the workspace it leaves."""
     wall = exp_run(["-n", f"dt-{name}"], [f"train.steps={steps}", *METHODS[name], *extra])
-    metrics = {stage: _read(f"metrics/{stage}.json") for stage in ("realize", "train", "teach", "evaluate")}
+    metrics = {stage: read_metrics(stage) for stage in ("realize", "train", "teach", "evaluate")}
     ev, tr, rz = metrics["evaluate"], metrics["train"], metrics["realize"]
     return {
         "val_loss": ev["val_loss"],
@@ -73,11 +56,6 @@ def run_method(name: str, steps: int, extra: list[str]) -> dict[str, float]:
         "teach_seconds": metrics["teach"].get("seconds", 0.0),
         "wall_seconds": wall,
     }
-
-
-def _read(path: str) -> dict[str, float]:
-    file = ROOT / path
-    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def table(results: dict[str, dict[str, float]]) -> str:

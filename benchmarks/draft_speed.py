@@ -2,7 +2,8 @@
 
     python benchmarks/draft_speed.py [--draft models/export/model.gguf] [--donor smollm2] [--prompts 6]
         [--prompt-tokens 32] [--new-tokens 64] [--k 2,4] [--p-min 0.2] [--threads 2] [--draft-precision int8]
-        [--out FILE]
+        [--precisions fp32,int8] [--alone int4]
+        [--out benchmarks/results/draft_speed.json]
 
 Run from the project root after `dvc repro` (it reads the packed val split for prompts). Each prompt
 is `--prompt-tokens` tokens of the val split (spread evenly over it). Each engine decodes each prompt
@@ -16,38 +17,44 @@ greedily for `--new-tokens` tokens twice, the donor alone and the donor with the
   near-tie can flip: the table counts the prompts whose text differs from the donor alone's and the
   first position where it does.
 - ours (`pipeline.inference.speculative.speculative_greedy`, `generate draft=` runs it): the donor
-  packed for `--precision` (fp32 by default: exact against plain greedy), the draft for
-  `--draft-precision` (int8 by default: the draft's rounding changes its proposals, not the output).
+  packed for each of `--precisions` (fp32: exact against plain greedy; int8, the default decode: the
+  donor's check of k+1 positions rounds differently from one-position steps), the draft for
+  `--draft-precision` (int8 by default: the draft's rounding changes its proposals, not the output);
+  and the donor alone in each of `--alone` (int4 by default; a paired precision's donor-alone runs,
+  interleaved with its pairs, are its baseline).
 
-Speedup = the donor alone's wall time over the pair's, summed over the prompts (prefill included),
-for each draft length in `--k`. Each engine also times its parts (median of single calls): the
-donor's one-position step t1, its (k+1)-position check tv and the draft's step td. They bound what
-any draft can give on this machine: `ceiling` = (k+1)·t1 / (k·td + tv), the speedup if every
-drafted token were accepted; `predicted` puts the measured drafts and tokens per check in place of
-k and k+1 (a check of d drafts costing t1 + d·(tv - t1)/k).
+A speed-up names its baseline: each pairing is set against its own donor alone (the wall times
+summed over the prompts, prefill included, for each draft length in `--k`), against our fastest
+single-model decode of the donor (`ours_best_alone`) and against llama.cpp's donor alone; `--out`
+writes every figure by name (`figures`), with the conditions (`benchmarks/harness.py`).
+
+Each engine also times its parts (median of single calls): the donor's one-position step t1, its
+(k+1)-position check tv and the draft's step td. They bound what any draft can give on this machine:
+`ceiling` = (k+1)·t1 / (k·td + tv), the speedup if every drafted token were accepted; `predicted`
+puts the measured drafts and tokens per check in place of k and k+1 (a check of d drafts costing t1
++ d·(tv - t1)/k).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import ROOT, write_results  # first: this checkout's library on sys.path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipeline.data.packed import load_split  # noqa: E402
-from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
-from pipeline.inference.decode import for_decoding  # noqa: E402
-from pipeline.inference.generate import load_for_generation  # noqa: E402
-from pipeline.inference.sampling import generate_ids  # noqa: E402
-from pipeline.inference.speculative import speculative_greedy  # noqa: E402
+from pipeline.data.packed import load_split
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.inference.decode import for_decoding
+from pipeline.inference.generate import load_for_generation
+from pipeline.inference.sampling import generate_ids
+from pipeline.inference.speculative import speculative_greedy
 
 
 def val_prompts(packed: Path, n: int, length: int) -> list[list[int]]:
@@ -130,8 +137,31 @@ def with_costs(runs: dict[int, _Totals], cost: Callable[[str, int], float]) -> d
 
 
 def ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, object]:
-    target = for_decoding(load_for_generation(args.donor)[0], args.precision)
+    """Our speculative decode with the donor in each of `--precisions` (fp32: exact; int8: the default decode,
+    whose donor-alone runs are the baseline a user would otherwise run), and the donor alone in each of
+    `--alone` (int4: near-exact for the Q4_1 donor)."""
     draft = for_decoding(load_for_generation(str(args.draft))[0], args.draft_precision)
+    out: dict[str, object] = {}
+    for precision in args.precisions:
+        target = for_decoding(load_for_generation(args.donor)[0], precision)
+        out[precision] = paired(args, prompts, target, draft)
+    for precision in args.alone:
+        target = for_decoding(load_for_generation(args.donor)[0], precision)
+        out[f"{precision}_alone"] = alone_rate(prompts, args.new_tokens, partial(generate_ids, target))
+    return out
+
+
+def alone_rate(prompts: list[list[int]], new_tokens: int, decode: Callable[[list[int], int], list[int]]) -> dict:
+    """A single model's greedy decode over the prompts (prefill included), after one warm-up call."""
+    decode(prompts[0], 4)
+    t0, tokens = time.perf_counter(), 0
+    for ids in prompts:
+        tokens += len(decode(ids, new_tokens))
+    return {"tok_s": tokens / (time.perf_counter() - t0), "tokens": tokens}
+
+
+def paired(args: argparse.Namespace, prompts: list[list[int]], target, draft) -> dict[str, object]:
+    """`target` alone and with `draft`, interleaved prompt by prompt, for each draft length."""
     generate_ids(target, prompts[0], 4)  # warm-up: first-call allocations out of the timings
     runs = {k: _Totals() for k in args.k}
     for k, totals in runs.items():
@@ -259,7 +289,48 @@ def report_line(k: int, r: dict, prompts: int) -> str:
     )
 
 
+def pairings(result: dict) -> dict[str, dict]:
+    """Each measured pairing (llama.cpp's, ours per donor precision) by name: its per-k figures."""
+    out = {"llamacpp": result["llamacpp"]} if "llamacpp" in result else {}
+    out.update({f"ours_{p}": r for p, r in result.get("ours", {}).items() if not p.endswith("_alone")})
+    return out
+
+
+def baselines(result: dict) -> dict[str, float]:
+    """The single-model decodes a user would otherwise run, tok/s: the donor alone in llama.cpp and in each
+    of our precisions (from the `--alone` runs, else from the paired runs' interleaved donor-alone timings)."""
+    out = {f"{name}_alone": r["k" + str(result["k"][0])]["donor_alone_tok_s"] for name, r in pairings(result).items()}
+    for p, r in result.get("ours", {}).items():  # a paired precision keeps its interleaved timing
+        if p.endswith("_alone"):
+            out.setdefault(f"ours_{p}", r["tok_s"])
+    ours = {n: v for n, v in out.items() if n.startswith("ours_")}
+    if ours:
+        out["ours_best_alone"] = max(ours.values())
+        result["ours_best_alone"] = max(ours, key=ours.get)
+    return out
+
+
+def figures(result: dict) -> dict[str, str]:
+    """The named figures the docs quote: each pairing's tok/s, acceptance and speed-up over every baseline
+    (its own donor alone, our fastest single-model decode, llama.cpp's donor alone), and the baselines."""
+    base = baselines(result)
+    out = {name: f"{tok_s:.1f} tok/s" for name, tok_s in base.items()}
+    if "ours_best_alone" in result:
+        out["ours_best_alone_precision"] = result["ours_best_alone"].removeprefix("ours_").removesuffix("_alone")
+    for name, r in pairings(result).items():
+        for k in result["k"]:
+            row = r[f"k{k}"]
+            out[f"{name}_k{k}"] = f"{row['with_draft_tok_s']:.1f} tok/s"
+            out[f"{name}_k{k}_accepted"] = f"{row['acceptance']:.1%}"
+            out[f"{name}_k{k}_vs_own_alone"] = f"{row['speedup']:.2f}x"
+            for b in ("ours_best_alone", "llamacpp_alone"):
+                if b in base:
+                    out[f"{name}_k{k}_vs_{b}"] = f"{row['with_draft_tok_s'] / base[b]:.2f}x"
+    return out
+
+
 def main() -> None:
+    load_before = os.getloadavg()[0]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", type=Path, default=ROOT / "models/export/model.gguf")
     ap.add_argument("--donor", default="smollm2")
@@ -270,11 +341,13 @@ def main() -> None:
     ap.add_argument("--k", type=lambda v: [int(x) for x in v.split(",")], default=[2, 4], help="draft lengths: 2,4")
     ap.add_argument("--p-min", type=float, default=0.2, help="the draft stops below this probability (0: never)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"), help="ours: the donor's")
+    ap.add_argument("--precisions", default="fp32,int8", help="ours: the donor's precisions paired with the draft")
+    ap.add_argument("--alone", default="int4", help="ours: more of the donor's precisions timed alone (baselines)")
     ap.add_argument("--draft-precision", default="int8", choices=("fp32", "bf16", "int8"), help="ours: the draft's")
     ap.add_argument("--engines", default="llamacpp,ours")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.precisions, args.alone = args.precisions.split(","), [p for p in args.alone.split(",") if p]
     if not args.draft.is_file():
         sys.exit(f"--draft {args.draft}: expected a GGUF file, found none; run dvc repro first or name one")
     torch.set_num_threads(args.threads)
@@ -287,11 +360,14 @@ def main() -> None:
         if r is None:
             continue
         result[name] = r
+    for name, r in pairings(result).items():
         print(f"{name}: donor step {r['donor_step_ms']:.1f} ms, draft step {r['draft_step_ms']:.2f} ms")
         for k in args.k:
             print(report_line(k, r[f"k{k}"], len(prompts)))
+    named = figures(result)
+    print("\n".join(f"{name}: {value}" for name, value in named.items()))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_results(args.out, named, result, load_before)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,16 @@ tokens, both mean losses and the bucket's share of the whole gap (its tokens x i
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+import harness  # noqa: F401 (first: this checkout's library on sys.path)
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.data.packed import load_meta, load_split  # noqa: E402
-from pipeline.donor.load import load_donor  # noqa: E402
-from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
-from pipeline.io.modeldir import load_model_dir  # noqa: E402
+from pipeline.data.packed import load_meta, load_split
+from pipeline.donor.load import load_donor
+from pipeline.donor.locate import resolve_gguf_path
+from pipeline.modeldir import load_model_dir
 
 
 @torch.no_grad()

@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 import yaml
+from harness import ROOT  # first: this checkout's library on sys.path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's library, not whichever one pip installed in editable mode
-
-from pipeline.models.transformer import TransformerConfig  # noqa: E402
+from pipeline.models.transformer import TransformerConfig
 
 SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer every shape of ours trains with (pydoc data, the donor)
 H100_BF16_TFLOPS = 989.0  # H100 SXM dense bf16 peak: the MFU denominator the issue uses

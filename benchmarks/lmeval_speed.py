@@ -8,8 +8,9 @@ choices) and `arith_mc` (`--docs` sums of small numbers, four numeric choices). 
 loaded once, then lm-eval's real evaluator runs each task on each, interleaved, `--repeats` times;
 the median docs/s is reported, with the load (1-min load average) beside it because the machine is
 shared. Agreement: accuracy of each, how many docs pick the same choice, and the largest difference
-between the two models' log-likelihood of one choice (both dequantize Q4_1 to fp32). Results go to
-benchmarks/results/lmeval_speed.json.
+between the two models' log-likelihood of one choice (both dequantize Q4_1 to fp32). Results, with the
+conditions (`harness.write_results`), go to `--out` (benchmarks/results/lmeval_speed.json). Run it on a
+quiet machine: the load average is recorded beside every run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +27,11 @@ from typing import Any
 
 import lm_eval
 import torch
+from harness import RESULTS, write_results  # first: this checkout's library on sys.path
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's library, not pip's editable one
-
-from pipeline.donor.locate import resolve_gguf_path  # noqa: E402
+from pipeline.donor.locate import resolve_gguf_path
 from pipeline.evaluate.lmeval import MODEL_NAME, model_class
 
 EASY = [
@@ -45,7 +44,7 @@ EASY = [
     ("The sky is", ["blue", "a sandwich"], 0),
     ("Ice is frozen", ["kettle", "water"], 1),
 ]
-OUT = Path(__file__).parent / "results" / "lmeval_speed.json"
+OUT = RESULTS / "lmeval_speed.json"
 
 
 def arithmetic(n: int, seed: int = 0) -> list[tuple[str, list[str], int]]:
@@ -99,7 +98,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=OUT, help="the results file")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix="lmeval-speed-"))
     tasks = {"easy_mc": EASY, "arith_mc": arithmetic(args.docs)}
@@ -112,11 +113,18 @@ def main() -> None:
         for task in tasks:
             for name, (lm, _) in models.items():
                 runs[task][name].append((*evaluate(lm, task, manager), os.getloadavg()[0]))
-    report(args, tasks, models, runs)
+    result = report(args, tasks, models, runs)
+    figures = {f"{task}_ratio": f"{result[task]['speed_ratio']:.2f}x" for task in tasks}
+    for task in tasks:
+        figures.update({f"{task}_{m.split()[0]}_docs_s": f"{result[task][m]['docs_per_s']:.1f}" for m in models})
+    write_results(args.out, figures, result, load_before)
 
 
-def report(args: argparse.Namespace, tasks: dict, models: dict, runs: dict) -> None:
-    result: dict[str, Any] = {"args": vars(args), "load_seconds": {m: round(s, 2) for m, (_, s) in models.items()}}
+def report(args: argparse.Namespace, tasks: dict, models: dict, runs: dict) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "load_seconds": {m: round(s, 2) for m, (_, s) in models.items()},
+    }
     ours, peer = list(models)
     print(f"\n{args.threads} thread(s), batch {args.batch_size}; load s: {result['load_seconds']}")
     for task, docs in tasks.items():
@@ -140,7 +148,7 @@ def report(args: argparse.Namespace, tasks: dict, models: dict, runs: dict) -> N
             f"{peer} {row[peer]['docs_per_s']} docs/s acc {row[peer]['acc']:.3f} | ratio {row['speed_ratio']}x | "
             f"same choice {row['same_choice']}/{len(docs)}, max |d loglik| {row['max_abs_loglik_diff']:.2e}"
         )
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

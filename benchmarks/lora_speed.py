@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,17 +53,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gpu_common import clock, device_name  # this folder is on sys.path as a script; it puts ROOT first
+from gpu_common import clock, device_name
+from harness import child_json, peak_rss_mib
 
-ROOT = Path(__file__).resolve().parent.parent
 CPU_CONTENDERS = ("ours", "ours-ckpt", "hf", "hf-flat", "qlora-q4_1", "qlora-q4_k_m")  # the CPU default
 CONTENDERS = (*CPU_CONTENDERS, "ours-compile", "qlora-q8_0", "qlora-q4_0")
 LEGACY_BASES = {"qlora-q8_0": "q8_0", "qlora-q4_0": "q4_0"}  # contender -> export dtype gguf-py quantizes
 CUDA_CONTENDERS = ("ours", "ours-compile", "hf")
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False, compile_: bool = False):
@@ -193,10 +187,7 @@ def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> di
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if not name.startswith("hf") and args.device == "cpu":  # as the train stage runs: tcmalloc where installed
         env = malloc_env(env)
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    if out.returncode != 0:  # reported in the table (e.g. a base type a contender refuses), not fatal
-        return {"error": (out.stderr.strip().splitlines() or ["exit status " + str(out.returncode)])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(cmd, env, fatal=False)  # a failure is a row of the table (a base a contender refuses)
 
 
 def make_rows(tmp: Path, seq_len: int, donor: Path) -> Path:

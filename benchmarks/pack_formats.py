@@ -21,14 +21,11 @@ import argparse
 import gzip
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pack_throughput import fmt, run_child, tps  # noqa: E402  (the sibling benchmark's helpers)
+from pack_throughput import fmt, run_child, tps  # the sibling benchmark's helpers (it imports harness)
 
 PACK = """
 import json, sys, time

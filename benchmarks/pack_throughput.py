@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import child_json, peak_rss_mib
 
 PACK = """
 import json, sys, time
@@ -90,12 +89,8 @@ def make_corpus(path: Path, size_mb: int) -> int:
 
 
 def run_child(code: str, *args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    if proc.returncode:
-        sys.exit(f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`code` in a fresh interpreter at the project root; the JSON line it prints last."""
+    return child_json([sys.executable, "-c", textwrap.dedent(code), *args])
 
 
 def measure(work: Path, size_mb: int, plain: bool) -> dict:
@@ -135,9 +130,7 @@ def main() -> None:
     rows = [measure(args.dir, args.small_mb, plain=True)]
     if args.size_mb > args.small_mb:
         rows.append(measure(args.dir, args.size_mb, plain=args.plain_at_full))
-    import resource
-
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    children = peak_rss_mib(children=True)
     print(f"largest child peak RSS (RUSAGE_CHILDREN): {children:.0f} MB")
     print(json.dumps(rows, indent=1))
 

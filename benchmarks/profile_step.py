@@ -175,9 +175,8 @@ def run_loop(args: argparse.Namespace, shape: Shape, window: Window) -> loop.Tra
 
     with mock.patch.object(loop, "lr_at", lr_at):
         try:
-            result = loop.train(
-                model, data, data[: shape.seq + 1], tcfg, OptimConfig(), 0, loop.Hooks(), progress=False
-            )
+            job = loop.TrainJob(tcfg, OptimConfig(), 0, progress=False)
+            result = loop.train(model, data, data[: shape.seq + 1], job, hooks=loop.Hooks())
         finally:
             window.close()
     return result

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import yaml
+from harness import ROOT, exp_run, read_metrics  # first: this checkout's library on sys.path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.donor_transfer import exp_run  # noqa: E402
-from pipeline.data.packed import load_split  # noqa: E402
-from pipeline.evaluate.parity import iter_llamacpp_scores, parity_windows  # noqa: E402
-from pipeline.evaluate.quantized import window_loss  # noqa: E402
-from pipeline.models.registry import load_gguf  # noqa: E402
+from pipeline.data.packed import load_split
+from pipeline.evaluate.parity import iter_llamacpp_scores, parity_windows
+from pipeline.evaluate.quantized import window_loss
+from pipeline.models.registry import load_gguf
 
 OFF = {"export.imatrix": "0", "train.qat": "''", "train.qat_imatrix": "0"}  # each run sets all three
 VARIANTS = {
@@ -53,7 +49,7 @@ def window_losses(gguf: Path, windows: list[list[int]]) -> tuple[float, float]:
 def run(name: str, overrides: list[str], windows: list[list[int]]) -> dict[str, float]:
     """One experiment; evaluate's val loss and both readers' loss on the parity windows."""
     wall = exp_run(["-n", name], overrides)
-    row = {"val_loss": json.loads((ROOT / "metrics/evaluate.json").read_text())["val_loss"], "wall_seconds": wall}
+    row = {"val_loss": read_metrics("evaluate")["val_loss"], "wall_seconds": wall}
     if windows:
         row["ours_window_loss"], row["llamacpp_window_loss"] = window_losses(ROOT / "models/export/model.gguf", windows)
     return row

@@ -15,39 +15,25 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def rss_mb() -> float:
-    """Current resident set size (VmRSS) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+from harness import child_json
+from harness import peak_rss_mib as peak_rss_mb
+from harness import rss_mib as rss_mb
 
 
 def child(args: argparse.Namespace) -> dict:
     """One variant: load base, attach adapters, train `steps` steps on the packed rows; figures as a dict."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from pipeline.config import LoraConfig
     from pipeline.data.packed import load_rows
-    from pipeline.donor.load import load_base
     from pipeline.donor.locate import resolve_gguf_path
     from pipeline.finetune.lora import attach_lora, trainable_summary
-    from pipeline.finetune.model import prepare_training
+    from pipeline.finetune.model import load_base, prepare_training
     from pipeline.training.batches import RowSampler
 
     torch.set_num_threads(args.threads)
@@ -102,8 +88,7 @@ def run_variant(variant: str, args: argparse.Namespace, data: Path) -> dict:
         *("--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
         *("--rank", str(args.rank), "--targets", args.targets, "--threads", str(args.threads)),
     ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(cmd)
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -133,7 +118,6 @@ def main() -> None:
         args.variant = args.child
         print(json.dumps(child(args)))
         return
-    sys.path.insert(0, str(ROOT))
     from pipeline.config import DataConfig
     from pipeline.data.instruct import build_instruct, read_instruct_jsonl
     from pipeline.data.packed import save_rows

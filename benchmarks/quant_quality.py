@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import yaml
+from harness import ROOT  # first: this checkout's library on sys.path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipeline.data.packed import load_split  # noqa: E402
-from pipeline.evaluate.parity import parity_windows  # noqa: E402
-from pipeline.evaluate.quantized import quant_metrics  # noqa: E402
+from pipeline.data.packed import load_split
+from pipeline.evaluate.parity import parity_windows
+from pipeline.evaluate.quantized import quant_metrics
 
 
 def main() -> None:

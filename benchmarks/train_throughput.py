@@ -2,7 +2,7 @@
 
     python benchmarks/train_throughput.py [--vocab 49152 8192] [--steps 3] [--rounds 3] [--warmup 2]
                                           [--compile off|on|both] [--malloc default|keep|both]
-                                          [--threads N] [--batch 8] [--seq 256]
+                                          [--threads N] [--batch 8] [--seq 256] [--out FILE]
 
 Both models have the same shape (d_model 256, 4 layers, 4 heads, ffn 688, tied embeddings; seq
 256, batch 8 by default), both steps are the same loop: bf16 autocast forward + loss, backward,
@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 from gpu_common import H100_BF16_TFLOPS, Shape, hf_llama, pick_shapes  # this folder is on sys.path when run as a script
+from harness import write_results
 from train_contenders import CONTENDERS, run_all, step_fn
 
 from pipeline.models.llama import Llama
@@ -130,7 +131,8 @@ def timed(step: Callable[[], float], n: int) -> tuple[float, float]:
     return statistics.median(times), loss
 
 
-def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
+def run(vocab: int, args: argparse.Namespace, peak: float) -> dict:
+    """One vocabulary's contenders, alternated over the rounds; printed, and returned as a row."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -173,6 +175,24 @@ def run(vocab: int, args: argparse.Namespace, peak: float) -> None:
     for name in contenders:
         if name != "transformers":
             print(f"  ratio {name}/transformers: {rate[name] / rate['transformers']:.2f}x")
+    mfu = {name: rate[name] * fpt / peak for name in contenders}
+    return {"vocab": vocab, "tok_s": rate, "mfu": mfu, "peak_rss_rise_mib": {k: v / 1024 for k, v in rises.items()}}
+
+
+def figures(rows: list[dict]) -> dict[str, str]:
+    """The named figures the docs quote, per allocator policy and vocabulary: tok/s, ratio, MFU, RSS rise."""
+    out = {}
+    for row in rows:
+        key = f"{row['policy']}_{row['vocab']}"
+        rate = row["tok_s"]
+        for name, value in rate.items():
+            slug = name.replace(" ", "_")
+            out[f"{key}_{slug}_tok_s"] = f"{value:.0f}"
+            out[f"{key}_{slug}_mfu"] = f"{row['mfu'][name]:.0%}"
+            out[f"{key}_{slug}_rss_rise"] = f"+{row['peak_rss_rise_mib'][name]:.0f} MiB"
+            if name != "transformers":
+                out[f"{key}_{slug}_vs_transformers"] = f"{value / rate['transformers']:.2f}x"
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -190,6 +210,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", help="named shapes, comma-separated (default with cuda: 135m,tiny,tiny-default,small)")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="with --shapes or cuda")
     p.add_argument("--peak-tflops", type=float, help=f"MFU denominator (cuda default {H100_BF16_TFLOPS:.0f})")
+    p.add_argument("--out", help="CPU comparison: write the results file here (benchmarks/results/train_cpu.json)")
     args = p.parse_args()
     if args.device == "cuda" and not args.shapes:
         args.shapes = "135m,tiny,tiny-default,small"
@@ -213,6 +234,7 @@ def main() -> None:
             peak = H100_BF16_TFLOPS * 1e12 if device.type == "cuda" else matmul_peak(torch.bfloat16)
         run_all(pick_shapes(args.shapes, args.batch, args.seq), args, device, peak, " ".join(["python", *sys.argv]))
         return
+    load_before, rows = os.getloadavg()[0], []
     peak = matmul_peak(torch.bfloat16)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
@@ -225,9 +247,11 @@ def main() -> None:
             print("\n(no glibc: cannot keep freed memory)")
             break
         print(f"\n=== malloc: {'glibc defaults' if policy == 'default' else 'freed memory kept (as our train loop)'}")
-        for vocab in args.vocab:
-            run(vocab, args, peak)
+        rows += [{"policy": policy, **run(vocab, args, peak)} for vocab in args.vocab]
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} (other processes share this machine)")
+    if args.out:
+        data = {"bf16_matmul_peak_gflops": peak / 1e9, "rows": rows, "threads": torch.get_num_threads()}
+        write_results(args.out, figures(rows), data, load_before)
 
 
 if __name__ == "__main__":

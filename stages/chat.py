@@ -21,7 +21,7 @@ from pipeline.inference.chat_session import ChatSession, TurnStats
 from pipeline.inference.decode import for_decoding
 from pipeline.inference.generate import chat_prompt, load_for_generation
 from pipeline.inference.sampling import Sampling
-from pipeline.training.runtime import pick_device
+from pipeline.models.devices import pick_device
 from stages._run.exits import entry, fail
 from stages._run.lifecycle import CONFIG_PATH
 from stages._run.typed import structured_config

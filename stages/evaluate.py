@@ -14,8 +14,8 @@ from pipeline.data.packed import data_files, load_meta, split_fingerprint, split
 from pipeline.evaluate.evaluate_images import CONFUSION_HEADER, Confusion, run_evaluate_images
 from pipeline.evaluate.evaluate_text import run_evaluate
 from pipeline.io.files import atomic_dir, write_text
-from pipeline.io.lineage import check_packed
 from pipeline.tracking import VAL_DATA_TAG
+from stages._lineage import check_packed
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 

@@ -9,10 +9,10 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.export.auto_types import WINDOWS, budget_mb
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.export.exporter import CARD, MODEL_GGUF, ExportPlan, run_export, run_image_export
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.export.naming import ShipInfo, data_label
-from pipeline.io.modeldir import model_config, read_train_state, weight_files
+from pipeline.modeldir import model_config, read_train_state, weight_files
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, config_hash, run_stage
 

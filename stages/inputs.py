@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from pipeline.donor.locate import resolve_gguf_path
 from pipeline.errors import PipelineError
-from pipeline.io.inputs import run_inputs
+from stages._input_records import run_inputs
 from stages._run import output
 from stages._run.exits import config_failed, entry, fail
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH

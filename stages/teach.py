@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 
 from pipeline.data.packed import load_meta
 from pipeline.distill.teach import run_teach
-from pipeline.io.inputs import DONOR_RECORD, read_record
-from pipeline.training.runtime import pick_device
+from pipeline.models.devices import pick_device
+from stages._input_records import DONOR_RECORD, read_record
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
 

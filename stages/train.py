@@ -18,15 +18,15 @@ from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import load_meta
-from pipeline.export.imatrix import imatrix_source
+from pipeline.export.corpus_imatrix import imatrix_source
 from pipeline.io.files import write_text
-from pipeline.io.lineage import check_init, check_packed, check_teach
-from pipeline.io.modeldir import weight_files
+from pipeline.modeldir import weight_files
 from pipeline.training.checkpoint import Checkpoint
 from pipeline.training.distributed import is_main_process
-from pipeline.training.loop import Hooks, TrainResult
+from pipeline.training.loop import Hooks, TrainJob, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
-from pipeline.training.trainer import TrainJob, run_train, sized
+from pipeline.training.trainer import TrainInputs, run_train, sized
+from stages._lineage import check_init, check_packed, check_teach
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, Stage, StageContext
 from stages._run.paths import Paths
@@ -50,23 +50,19 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     if plan.resume is not None and is_main_process():
         log.info(resume_line(plan.resume, cfg.train.steps))
     online = cfg.train.distill.enabled and cfg.train.distill.mode == "online"
-    job = TrainJob(
+    inputs = TrainInputs(
         init_dir=paths.init,
         packed_dir=paths.packed,
         out_dir=ctx.out_dir,
-        train=cfg.train,
-        optim=cfg.optim,
-        seed=cfg.seed,
-        plan=plan,
         teach_dir=paths.teach,
         donor=ctx.donor_gguf if online else None,
-        progress=cfg.output == "text",
         imatrix=imatrix_source(cfg, paths.packed, cfg.train.qat_imatrix) if cfg.train.qat_imatrix else None,
     )
+    job = TrainJob(train=cfg.train, optim=cfg.optim, seed=cfg.seed, plan=plan, progress=cfg.output == "text")
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
-    result = run_train(job, hooks)
+    result = run_train(inputs, job, hooks)
     if not is_main_process():
         return {}
     write_plots(ctx, result)

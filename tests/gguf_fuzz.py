@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.donor.load import load_base, read_donor_embeddings
+from pipeline.donor.load import read_donor_embeddings
 from pipeline.errors import GGUFError, PipelineError
+from pipeline.finetune.model import load_base
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.chat_template import render_messages

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig
-from pipeline.donor.load import load_base
 from pipeline.errors import AdapterError, GGUFError
 from pipeline.finetune.adapters import (
     apply_adapter,
@@ -25,9 +24,10 @@ from pipeline.finetune.adapters import (
     save_peft_adapter,
 )
 from pipeline.finetune.lora import attach_lora, lora_layers
+from pipeline.finetune.model import load_base
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
-from pipeline.io.modeldir import save_model_dir
+from pipeline.modeldir import save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 from pipeline.models.transformer import TransformerConfig, init_weights

@@ -91,9 +91,13 @@ def test_the_file_fits_its_budget_and_llama_cpp_reads_it(tiny) -> None:
     assert metrics["auto_q8_0"] + metrics["auto_q5_0"] + metrics["auto_q4_0"] == 15  # 7 per block, token_embd
     assert g.metadata["pipeline.auto.budget_mb"] == pytest.approx(budget) and metrics["auto_kl"] > 0
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False)
-    llm.eval([1, 2, 3, 4])
-    assert np.isfinite(np.asarray(llm.scores[llm.n_tokens - 1])).all()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False, logits_all=True)
+    ids = [int(t) for t in windows[0, :16]]
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[: llm.n_tokens])
+    with torch.no_grad():  # the same file in our reader: llama.cpp computes what we do, type by type
+        ours = load_gguf(path)[0].eval()(torch.tensor([ids]))[0].numpy()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all() and np.abs(ours - theirs).max() < 0.02
     with pytest.raises(ConfigError, match=r"config key export.dtype: expected auto:<MB> of at least"):
         export_auto(model, tmp / "small.gguf", meta, {}, f"auto:{sizes['q4_0'] / 2e6}", windows)
     assert not (tmp / "small.gguf").exists()

@@ -14,7 +14,7 @@ from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import Packed, load_split
 from pipeline.errors import ConfigError
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.batches import check_batches, epochs_planned, steps_for_epochs
 from pipeline.training.validation import evaluate_loss

@@ -18,7 +18,7 @@ from pipeline.inference.chat_session import ChatSession, common_prefix
 from pipeline.inference.decode import for_decoding
 from pipeline.inference.generate import load_for_generation
 from pipeline.inference.sampling import Sampling, generate_ids
-from pipeline.io.modeldir import save_model_dir
+from pipeline.modeldir import save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.tokenizer.chat_template import default_stop_ids, render_messages

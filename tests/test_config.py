@@ -7,13 +7,14 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from pipeline.config import PipelineConfig
+from pipeline.config import OptimConfig, PipelineConfig, TrainConfig
 from pipeline.errors import ConfigError
 from stages._run.typed import typed_config
 from stages.compose import compose_config
@@ -38,6 +39,16 @@ def test_conf_spells_out_every_schema_key() -> None:
     composed = OmegaConf.to_container(compose_config(), resolve=True)
     with_schema = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(PipelineConfig), composed))
     assert composed == with_schema
+
+
+@pytest.mark.parametrize(("group", "schema"), [("optim", OptimConfig), ("train", TrainConfig)])
+def test_the_schema_defaults_are_the_default_groups(group: str, schema: type) -> None:
+    """One default per key: a dataclass default is what the default group of conf/config.yaml sets (a
+    recipe or preset may then set its own value, e.g. recipe=subclone-distill's train.steps=450)."""
+    defaults = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["defaults"]
+    (choice,) = [d[group] for d in defaults if isinstance(d, dict) and group in d]
+    spelled = yaml.safe_load((ROOT / "conf" / group / f"{choice}.yaml").read_text())
+    assert asdict(schema()) == spelled, f"conf/{group}/{choice}.yaml and {schema.__name__}'s defaults differ"
 
 
 @pytest.mark.parametrize(

@@ -20,17 +20,15 @@ import torch.nn.functional as F
 from pipeline.config import DataConfig, DistillConfig, ModelConfig, OptimConfig, PipelineConfig, TrainConfig
 from pipeline.data.corpus import load_documents
 from pipeline.data.packed import load_split, split_fingerprint, spread_spans
+from pipeline.data.teacher_cache import META_FILE, VAL_CHOICE_FILE, TeacherCache, read_meta, read_val_choice
 from pipeline.data.text import pack
-from pipeline.distill.cache import META_FILE, VAL_CHOICE_FILE, TeacherCache, read_meta, read_val_choice
 from pipeline.distill.teach import run_teach, teacher_windows
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError
 from pipeline.inference.speculative import draft_acceptance
 from pipeline.init.realize import realize
 from pipeline.io.files import sha256_file
-from pipeline.io.inputs import donor_record
-from pipeline.io.lineage import check_teach
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.ops.losses import (
     head_targets,
@@ -44,10 +42,12 @@ from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training import checkpoint as ckpt
 from pipeline.training.batches import MixedSampler, distill_share, make_sampler
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.trainer import load_teacher
 from pipeline.training.validation import scored_windows
+from stages._input_records import donor_record
+from stages._lineage import check_teach
 from stages._run.lifecycle import run_stage
 from stages._run.paths import Paths
 from stages._run.typed import typed_config
@@ -254,17 +254,14 @@ def test_a_cache_budget_caches_spans_and_training_draws_from_them(project: Proje
     assert all(all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(ahead, [again() for _ in range(5)]))
     model = load_model_dir(project.root / "models" / "init")
     val = load_split(project.packed, "val")
-    result = train(model, tokens, val, tcfg, OptimConfig(), 0, progress=False, teacher=cache)
+    result = train(model, tokens, val, TrainJob(tcfg, OptimConfig(), 0, progress=False), teacher=cache)
     assert result.steps == tcfg.steps and any("train_kd" in h for h in result.history)
     with pytest.raises(DataError, match="cached positions"):  # a span cache of a shorter split
         train(
             load_model_dir(project.root / "models" / "init"),
             tokens[: len(tokens) // 3],
             val,
-            tcfg,
-            OptimConfig(),
-            0,
-            progress=False,
+            TrainJob(tcfg, OptimConfig(), 0, progress=False),
             teacher=cache,
         )
 
@@ -301,9 +298,9 @@ def test_a_donor_source_caches_its_greedy_continuations_and_training_reads_them_
     assert all(s % seq == 0 for s in sampler.distill.windows.starts)  # whole continuations
     model = load_model_dir(project.root / "models" / "init")
     val = load_split(project.packed, "val")
-    assert train(model, tokens, val, tcfg, OptimConfig(), 0, progress=False, teacher=cache).steps == 4
+    assert train(model, tokens, val, TrainJob(tcfg, OptimConfig(), 0, progress=False), teacher=cache).steps == 4
     with pytest.raises(ConfigError, match="train.seq_len=16"):  # its windows are one continuation long
-        train(model, tokens, val, replace(tcfg, seq_len=8), OptimConfig(), 0, progress=False, teacher=cache)
+        train(model, tokens, val, TrainJob(replace(tcfg, seq_len=8), OptimConfig(), 0, progress=False), teacher=cache)
 
 
 def test_teach_with_distillation_off_records_off_and_caches_nothing(project: Project, tmp_path: Path) -> None:
@@ -399,7 +396,7 @@ def test_train_refuses_a_cache_of_other_data_or_donor_or_too_small_a_k(project: 
     model = load_model_dir(project.root / "models" / "init")
     data = load_split(project.packed, "train"), load_split(project.packed, "val")
     with pytest.raises(ConfigError, match="train.distill.top_k: expected at most 8"):
-        train(model, *data, wide.train, OptimConfig(), 0, progress=False, teacher=TeacherCache(project.teach))
+        train(model, *data, TrainJob(wide.train, OptimConfig(), 0, progress=False), teacher=TeacherCache(project.teach))
 
 
 def test_a_hand_run_on_another_recipe_names_the_init_before_the_teach_cache(project: Project, tmp_path: Path) -> None:
@@ -419,14 +416,14 @@ def test_a_hand_run_on_another_recipe_names_the_init_before_the_teach_cache(proj
 
 
 def run_distill(project: Project, tcfg: TrainConfig, ckpt_dir: Path):
-    optim = OptimConfig(warmup_steps=2)
+    optim = OptimConfig(lr=3e-3, warmup_steps=2)
     plan = plan_checkpoints(
         tcfg, optim, 0, project.root / "models/init", project.packed, ckpt_dir, teach_dir=project.teach
     )
     model = load_model_dir(project.root / "models" / "init")
     teacher = load_teacher(tcfg, project.teach, project.donor, VOCAB)
     data = load_split(project.packed, "train"), load_split(project.packed, "val")
-    result = train(model, *data, tcfg, optim, 0, progress=False, plan=plan, teacher=teacher)
+    result = train(model, *data, TrainJob(tcfg, optim, 0, plan=plan, progress=False), teacher=teacher)
     return model, result, plan
 
 

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_split
 from pipeline.errors import ConfigError
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from tests.test_resume import assert_same_weights, make_project, mark_killed, run_lib, stage_cmd, stage_env
 
 STEPS = 6
@@ -33,8 +33,9 @@ def test_world_size_must_divide_the_batch(monkeypatch, tmp_path: Path, smollm2) 
     packed = project / "data/packed"
     tcfg = TrainConfig(steps=1, batch_size=4, seq_len=16)
     with pytest.raises(ConfigError) as err:
-        train(load_model_dir(project / "models/init"), load_split(packed, "train"), load_split(packed, "val"), tcfg,
-              OptimConfig(), 0, progress=False)  # fmt: skip
+        model = load_model_dir(project / "models/init")
+        splits = load_split(packed, "train"), load_split(packed, "val")
+        train(model, *splits, TrainJob(tcfg, OptimConfig(), 0, progress=False))
     assert "train.batch_size" in str(err.value) and "world size 3" in str(err.value)
 
 
@@ -136,5 +137,6 @@ def test_fsdp_with_lbfgs_is_refused(monkeypatch, tmp_path: Path, smollm2) -> Non
     packed = project / "data/packed"
     tcfg = replace(TrainConfig(steps=1, batch_size=4, seq_len=16), parallel="fsdp")
     with pytest.raises(ConfigError, match="optim.name"):
-        train(load_model_dir(project / "models/init"), load_split(packed, "train"), load_split(packed, "val"), tcfg,
-              OptimConfig(name="lbfgs"), 0, progress=False)  # fmt: skip
+        model = load_model_dir(project / "models/init")
+        splits = load_split(packed, "train"), load_split(packed, "val")
+        train(model, *splits, TrainJob(tcfg, OptimConfig(name="lbfgs"), 0, progress=False))

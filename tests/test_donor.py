@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +53,18 @@ def test_q8_0_table_is_dequantized(tmp_path: Path) -> None:
 
 
 def test_outputs_round_trip(tmp_path: Path) -> None:
-    out = run(tmp_path, write_tiny_gguf(tmp_path / "d.gguf"))
-    res = PCAResult.load(out / "pca.safetensors")
-    assert res.projected.shape == (64, 8) and (out / "meta.json").is_file()
+    """What the donor stage saves is what it computed, bit for bit, and meta.json describes the donor."""
+    gguf = write_tiny_gguf(tmp_path / "d.gguf")
+    computed, metrics = run_donor(gguf, 64, tmp_path / "meta.json", 8, "pca", tmp_path / "donor_out")
+    saved = PCAResult.load(tmp_path / "donor_out" / "pca.safetensors")
+    for field in ("components", "mean", "projected", "explained_variance_ratio"):
+        np.testing.assert_array_equal(getattr(saved, field), getattr(computed, field), err_msg=field)
+    assert saved.projected.shape == (64, 8)
+    np.testing.assert_array_equal(saved.projected, pca(read_donor_embeddings(gguf).table, 8).projected)
+    meta = json.loads((tmp_path / "donor_out" / "meta.json").read_text())
+    assert meta == {"path": str(gguf), "architecture": "llama", "width": 16, "vocab": 64, "tensor_type": "F32",
+                    "components": 8}  # fmt: skip
+    assert metrics["explained_variance_total"] == pytest.approx(float(saved.explained_variance_ratio.sum()))
 
 
 def test_real_donor_pca(tmp_path: Path, smollm2_path: Path) -> None:

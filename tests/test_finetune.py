@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from pipeline.config import (
     TrainConfig,
 )
 from pipeline.data.pack import run_pack
-from pipeline.data.packed import load_meta, load_rows
+from pipeline.data.packed import load_meta, load_rows, load_split
 from pipeline.errors import ConfigError, DataError, GGUFError
 from pipeline.evaluate.evaluate_text import run_evaluate
 from pipeline.export.exporter import ExportPlan, run_export
@@ -38,7 +37,7 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.inference.generate import load_for_generation
 from pipeline.init.realize import realize_finetune
-from pipeline.io.modeldir import load_model_dir, read_spec
+from pipeline.modeldir import load_model_dir, read_spec
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata
@@ -46,8 +45,10 @@ from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.models.registry import build_model, load_gguf
 from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
+from pipeline.training.loop import TrainJob
 from pipeline.training.resume import plan_checkpoints
-from pipeline.training.trainer import TrainJob, run_train
+from pipeline.training.trainer import TrainInputs, run_train
+from pipeline.training.validation import validation_loss
 from tests.helpers import masked_cross_entropy
 
 CFG = TransformerConfig(vocab_size=49152, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=128, context_length=128)
@@ -121,7 +122,7 @@ def run_recipe(root: Path, base_path: Path, packed: Path, recipe: str, **train_k
     t = tcfg(**train_kw)
     optim = OPTIM["full" if recipe == "full" else "lora"]
     plan = plan_checkpoints(t, optim, 0, init, packed, root / "checkpoints")
-    result = run_train(TrainJob(init, packed, out, t, optim, 0, plan=plan))
+    result = run_train(TrainInputs(init, packed, out), TrainJob(t, optim, 0, plan=plan))
     return Run(root, base_path, packed, result)
 
 
@@ -251,8 +252,8 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path: Path, lora_run: Run) 
     assert step2.is_dir()
     t = tcfg(resume=str(step2))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, lora_run.dir / "init", lora_run.packed, tmp_path / "ck2")
-    job = TrainJob(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan)
-    resumed = run_train(job)
+    inputs = TrainInputs(lora_run.dir / "init", lora_run.packed, tmp_path / "resumed")
+    resumed = run_train(inputs, TrainJob(t, OPTIM["lora"], 0, plan=plan))
     a = load_file(str(tmp_path / "resumed" / "adapter.safetensors"))
     b = load_file(str(lora_run.dir / "train" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -275,7 +276,9 @@ def test_epoch_perplexity_survives_a_resume_mid_epoch(tmp_path: Path, base: Base
     step4 = next((tmp_path / "whole" / "checkpoints").iterdir()) / "step-00000004"
     t = tcfg(steps=12, checkpoint_every=4, eval_every=12, resume=str(step4))
     plan = plan_checkpoints(t, OPTIM["lora"], 0, tmp_path / "whole" / "init", packed, tmp_path / "ck")
-    resumed = run_train(TrainJob(tmp_path / "whole" / "init", packed, tmp_path / "resumed", t, OPTIM["lora"], 0, plan))
+    resumed = run_train(
+        TrainInputs(tmp_path / "whole" / "init", packed, tmp_path / "resumed"), TrainJob(t, OPTIM["lora"], 0, plan=plan)
+    )
     again = [h for h in resumed.history if "epoch_train_ppl" in h]
     assert [h["epoch_train_ppl"] for h in again] == [h["epoch_train_ppl"] for h in ends]
 
@@ -356,7 +359,11 @@ def test_qlora_keeps_the_quantized_blocks_and_trains(tmp_path: Path, base: Base,
     assert len(quant) == CFG.n_layer * 7 and all(m.ggml_type == "Q8_0" for m in quant)
     assert read_spec(tmp_path / "train").mode == "qlora"
     assert set(run.result.optimizer_state["state"]) == {n for n, p in model.named_parameters() if p.requires_grad}
-    assert math.isfinite(run.result.final_val_loss)
+    trained_b = [p for n, p in model.named_parameters() if n.endswith("lora_B")]  # B starts at 0: step 0 is the base
+    assert trained_b and all(p.abs().max() > 0 for p in trained_b)
+    assert run.result.final_val_loss != run.result.initial_val_loss  # the adapters moved the held-out loss
+    reloaded = validation_loss(model, load_rows(packed / "val.npz"), 64, 2, torch.device("cpu"))
+    assert reloaded == pytest.approx(run.result.kept_val_loss, abs=1e-5)  # the saved directory is what trained
     run_export(tmp_path / "train", run.base_path, tmp_path / "export", ExportPlan("q8_0"), {"general.name": "merged"})
     assert GGUFFile(tmp_path / "export" / "model.gguf").raw_tensor("blk.0.attn_q.weight")[1] == "Q8_0"
 
@@ -367,7 +374,8 @@ def test_full_finetune_trains_every_weight(tmp_path: Path, base: Base, packed: P
     before, _ = load_gguf(base.f32)
     changed = [n for n, t in before.state_dict().items() if not torch.equal(t, trained.state_dict()[n])]
     assert len(changed) == len(before.state_dict())
-    assert (tmp_path / "train" / "model.safetensors").exists() and run.result.final_val_loss < 20
+    assert (tmp_path / "train" / "model.safetensors").exists()
+    assert run.result.final_val_loss < run.result.initial_val_loss - 0.01  # held-out loss below the base's
     run_export(tmp_path / "train", run.base_path, tmp_path / "export", ExportPlan("f32"), {"general.name": "full"})
     assert not (tmp_path / "export" / "adapter.gguf").exists()
     again, _ = load_gguf(tmp_path / "export" / "model.gguf")
@@ -380,8 +388,11 @@ def test_lora_on_running_text(tmp_path: Path, base: Base) -> None:
     corpus.write_text("\n---\n".join(f"Document {i}: the for statement iterates over items." for i in range(40)))
     run_pack(DataConfig(source="text", path=str(corpus)), base.f32, tmp_path / "packed")
     run = run_recipe(tmp_path, base.f32, tmp_path / "packed", "lora", steps=2, seq_len=16, checkpoint_every=0)
-    assert run.result.initial_val_loss is None and math.isfinite(run.result.final_val_loss)
+    assert run.result.initial_val_loss is None  # running text: no step-0 validation
     assert (tmp_path / "train" / "adapter.safetensors").exists()
+    plain, _ = load_gguf(base.f32)  # the base alone on the same val windows: the adapters must beat it
+    before = validation_loss(plain.eval(), load_split(tmp_path / "packed", "val"), 16, 2, torch.device("cpu"))
+    assert run.result.final_val_loss < before - 0.01
 
 
 # ----- bad input -----
@@ -440,5 +451,5 @@ def test_instruct_rows_longer_than_the_context_are_named(tmp_path: Path, base: B
     run_pack(data_cfg(base, max_seq_len=256), base.f32, packed)  # the tiny base's context is 128
     realize_finetune(RECIPES["lora"], base.f32, CFG.vocab_size, tmp_path / "init")
     with pytest.raises(ConfigError, match="data.max_seq_len"):
-        run_train(TrainJob(tmp_path / "init", packed, tmp_path / "train", tcfg(), OPTIM["lora"], 0))
+        run_train(TrainInputs(tmp_path / "init", packed, tmp_path / "train"), TrainJob(tcfg(), OPTIM["lora"], 0))
     assert np.load(packed / "train.npz")["input_ids"].shape[1] == 256

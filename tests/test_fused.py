@@ -150,4 +150,4 @@ class _Marked(torch.Tensor):
 @pytest.mark.skipif(fused.INTERPRET, reason="this is the interpreter's child")
 def test_kernels_under_the_interpreter() -> None:
     """Run this file's CPU cases with Triton's interpreter: the kernels' code checked without a GPU."""
-    run_under_interpreter(__file__, 15)
+    run_under_interpreter(__file__)

@@ -75,4 +75,4 @@ def test_cpu_logits_take_the_plain_softmax_outside_the_interpreter() -> None:
 @pytest.mark.skipif(fused.INTERPRET, reason="this is the interpreter's child")
 def test_the_kernel_under_the_interpreter() -> None:
     """This file's CPU cases with Triton's interpreter: the kernel's code checked without a GPU."""
-    run_under_interpreter(__file__, 8)
+    run_under_interpreter(__file__)

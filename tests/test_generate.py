@@ -31,7 +31,7 @@ from pipeline.inference.sampling import (
     top_k_filter,
     top_p_filter,
 )
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import KVCache, TransformerConfig, init_weights
 from pipeline.tokenizer.chat_template import default_stop_ids, render_chat

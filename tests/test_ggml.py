@@ -18,7 +18,7 @@ from pipeline.init.realize import realize
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.qat import ggml_fake_quant, named_targets
 from pipeline.training.validation import evaluate_loss
 
@@ -101,7 +101,7 @@ def test_a_k_qat_run_exports_exactly_the_weights_it_validated(smollm2: GGUFFile,
     train_ids, val_ids = data[:5000], data[5000:]
     model = realize(K_TINY, "scratch", 49152, 0)
     tcfg = TrainConfig(steps=4, batch_size=4, seq_len=32, eval_every=2, qat="q4_k_m", qat_start=0.5, keep_best=False)
-    result = train(model, train_ids, val_ids, tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False)
+    result = train(model, train_ids, val_ids, TrainJob(tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False))
     path = export_llama(model, tmp_path / "q.gguf", donor_tokenizer_metadata(smollm2), {}, "q4_k_m")
     exported, g = load_gguf(path)
     for (p, kind, name), ours in zip(named_targets(model, "q4_k_m"), named_targets(exported, "q4_k_m")):

@@ -25,7 +25,7 @@ from pipeline.models.gpt2 import GPT2
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.models.transformer import KVCache
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from tests.helpers import transformers_overrides
 from tests.scratch import TINY_VAL_FRACTION
 
@@ -188,7 +188,9 @@ def trained():
     data = repeated_corpus()
     model = realize(TINY, "scratch", VOCAB, 0)
     tcfg = TrainConfig(steps=40, batch_size=8, seq_len=32, eval_every=40, log_every=1, precision="fp32", device="cpu")
-    result = train(model, data[:2000], data[2000:], tcfg, OptimConfig(lr=1e-2, warmup_steps=5), 0, progress=False)
+    result = train(
+        model, data[:2000], data[2000:], TrainJob(tcfg, OptimConfig(lr=1e-2, warmup_steps=5), 0, progress=False)
+    )
     return model.eval(), result, data
 
 
@@ -210,7 +212,7 @@ def test_trains_on_packed_instruction_rows() -> None:
     rows = Packed(x, y, seg)
     model = realize(TINY, "scratch", VOCAB, 0)
     tcfg = TrainConfig(steps=30, batch_size=2, eval_every=30, log_every=1, precision="fp32", device="cpu")
-    result = train(model, rows, rows, tcfg, OptimConfig(lr=1e-2, warmup_steps=2), 0, progress=False)
+    result = train(model, rows, rows, TrainJob(tcfg, OptimConfig(lr=1e-2, warmup_steps=2), 0, progress=False))
     assert result.initial_val_loss > 9.0 and result.final_val_loss < result.initial_val_loss - 3.0
     assert any("epoch_train_ppl" in h for h in result.history)
 

@@ -15,7 +15,7 @@ from pipeline.errors import NonFiniteError
 from pipeline.inference import decode
 from pipeline.inference.decode import PackedLlama
 from pipeline.inference.sampling import generate_ids
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.ops import losses
 from pipeline.models.ops.losses import (
@@ -29,7 +29,7 @@ from pipeline.models.registry import build_model
 from pipeline.models.transformer import TransformerConfig, init_weights
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import queued
-from pipeline.training.loop import Hooks, _Run, train
+from pipeline.training.loop import Hooks, TrainJob, _Run, train
 from pipeline.training.resume import plan_checkpoints
 from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
 
@@ -91,7 +91,7 @@ def _train(project: Path, tcfg: TrainConfig, model=None, plan=None):
     packed = project / "data" / "packed"
     model = model or load_model_dir(project / "models" / "init")
     splits = load_split(packed, "train"), load_split(packed, "val")
-    result = train(model, *splits, tcfg, OptimConfig(warmup_steps=2), 0, progress=False, plan=plan)
+    result = train(model, *splits, TrainJob(tcfg, OptimConfig(lr=3e-3, warmup_steps=2), 0, plan=plan, progress=False))
     return model, result
 
 
@@ -127,7 +127,7 @@ def test_queued_nonfinite_step_stops_naming_it_before_the_next_checkpoint(
     """A NaN at step 5 is read at step 6's checkpoint: the error names step 5 and step 6 is not written."""
     tcfg = replace(TCFG, log_every=100, eval_every=100)
     plan = plan_checkpoints(
-        tcfg, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path
+        tcfg, OptimConfig(lr=3e-3, warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path
     )
     model = load_model_dir(project / "models/init")
     nan_after(model, 5)
@@ -261,7 +261,13 @@ def test_a_queued_cuda_training_step_never_waits_for_the_device(project: Path) -
     model = load_model_dir(project / "models" / "init")
     tcfg = replace(TCFG, device="cuda", log_every=100, eval_every=100)
     run = _Run(
-        model, load_split(packed, "train"), load_split(packed, "val"), tcfg, OptimConfig(), 0, Hooks(), None, None
+        model,
+        load_split(packed, "train"),
+        load_split(packed, "val"),
+        TrainJob(tcfg, OptimConfig(), 0),
+        Hooks(),
+        None,
+        None,
     )
     assert run.queue is not None
     run.step(0)  # warm-up: lazy initialisations may synchronize once

@@ -13,13 +13,13 @@ import torch
 from pipeline.config import LoraConfig, OptimConfig
 from pipeline.data.packed import load_split
 from pipeline.finetune.lora import attach_lora
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import graphed, queued
 from pipeline.training.graphed import graphable
-from pipeline.training.loop import Hooks, _Run
+from pipeline.training.loop import Hooks, TrainJob, _Run
 from tests.test_gpu_paths import _figures, _train, steps_without_sync
 from tests.test_resume import TCFG, assert_same_weights, make_project, nan_after, run_lib
 
@@ -116,7 +116,7 @@ def test_cuda_graph_replays_never_wait_for_the_device(project: Path) -> None:
     model = load_model_dir(project / "models" / "init")
     tcfg = replace(TCFG, device="cuda", log_every=100, eval_every=100, cuda_graph=True)
     splits = load_split(packed, "train"), load_split(packed, "val")
-    run = _Run(model, *splits, tcfg, OptimConfig(), 0, Hooks(), None, None)
+    run = _Run(model, *splits, TrainJob(tcfg, OptimConfig(), 0), Hooks(), None, None)
     run.step(0)
     assert run.graph is not None and run.graph.graph is not None  # captured, not the eager fallback
     steps_without_sync(run, range(1, 4))

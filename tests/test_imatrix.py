@@ -12,20 +12,20 @@ import torch
 from pipeline.config import ModelConfig, OptimConfig, TrainConfig
 from pipeline.data.packed import PackMeta, write_meta, write_tokens
 from pipeline.errors import ConfigError
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
 from pipeline.export.exporter import ExportPlan, run_export
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, imatrix_source
-from pipeline.gguf.imatrix import Imatrix, quantize_gguf, read_imatrix, write_imatrix
+from pipeline.gguf.imatrix_format import Imatrix, quantize_gguf, read_imatrix, write_imatrix
 from pipeline.gguf.quantize import llamacpp_quantize
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.imatrix import block_matmuls, collect_sums
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.qat import ggml_fake_quant, named_targets, use_imatrix
-from pipeline.training.trainer import TrainJob, run_train
+from pipeline.training.trainer import TrainInputs, run_train
 from pipeline.training.validation import evaluate_loss
 from stages._run.overrides import STAGE_PARAMS
 from stages._run.typed import typed_config
@@ -145,7 +145,9 @@ def test_qat_with_an_imatrix_trains_to_the_calibrated_file(smollm2: GGUFFile, tm
     imx = _imatrix(model)
     use_imatrix(model, imx.weights())
     tcfg = TrainConfig(steps=4, batch_size=4, seq_len=32, eval_every=2, qat="q4_k_m", qat_start=0.5, keep_best=False)
-    result = train(model, data[:5000], data[5000:], tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False)
+    result = train(
+        model, data[:5000], data[5000:], TrainJob(tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False)
+    )
     f32 = export_gguf(model, tmp_path / "f32.gguf", donor_tokenizer_metadata(smollm2), {}, "f32")
     exported, _ = load_gguf(quantize_gguf(f32, tmp_path / "q.gguf", "q4_k_m", imx))
     loss = evaluate_loss(exported, data[5000:], 32, 4, CPU)
@@ -200,8 +202,9 @@ def test_the_stage_path_qat_and_export_share_one_matrix(smollm2_path: Path, tmp_
     save_model_dir(tmp_path / "init", realize(K_TINY, "scratch", 49152, 0))
     src = ImatrixSource(packed, 256, 32, dataset="corpus")
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=32, eval_every=1, qat="q4_k_m", qat_start=0.5, device="cpu")
-    job = TrainJob(tmp_path / "init", packed, tmp_path / "train", tcfg, OptimConfig(lr=1e-3), 0, imatrix=src)
-    run_train(job)
+    run_train(
+        TrainInputs(tmp_path / "init", packed, tmp_path / "train", imatrix=src), TrainJob(tcfg, OptimConfig(lr=1e-3), 0)
+    )
     assert read_imatrix(tmp_path / "train" / IMATRIX_GGUF).extra["pipeline.imatrix.corpus_sha256"] == "c" * 64
     reuse = replace(src, reuse=tmp_path / "train" / IMATRIX_GGUF)
     run_export(tmp_path / "train", smollm2_path, tmp_path / "export", ExportPlan("q4_k_m", imatrix=reuse), {})

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config import DataConfig
 from pipeline.errors import PipelineError
-from pipeline.io.inputs import run_inputs
+from stages._input_records import run_inputs
 from stages._run.overrides import changed_keys, readers, reads, unread_message
 
 
@@ -81,7 +81,7 @@ def test_lineage_names_the_key_both_values_and_the_fix(tmp_path: Path) -> None:
 
     from pipeline.config import PipelineConfig
     from pipeline.data.packed import PackMeta, write_meta
-    from pipeline.io.lineage import check_init, check_packed
+    from stages._lineage import check_init, check_packed
 
     cfg = PipelineConfig()
     counts = {"train": 1, "val": 1}

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import LoraConfig, OptimConfig
-from pipeline.donor.load import load_base
 from pipeline.errors import AdapterError, ConfigError, GGUFError
 from pipeline.finetune import quant
 from pipeline.finetune.lora import (
@@ -25,7 +24,7 @@ from pipeline.finetune.lora import (
     merge_lora,
 )
 from pipeline.finetune.lora_cpu import dropout as lora_dropout
-from pipeline.finetune.model import prepare_training
+from pipeline.finetune.model import load_base, prepare_training
 from pipeline.finetune.quant import (
     QuantEmbedding,
     QuantLinear,

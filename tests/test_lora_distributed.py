@@ -14,7 +14,8 @@ import pytest
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import load_meta
 from pipeline.init.realize import realize_finetune
-from pipeline.training.trainer import TrainJob, run_train
+from pipeline.training.loop import TrainJob
+from pipeline.training.trainer import TrainInputs, run_train
 from tests.test_finetune import OPTIM, RECIPES, base, packed  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,11 +28,12 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.training.trainer import TrainJob, run_train
+from pipeline.training.loop import TrainJob
+from pipeline.training.trainer import TrainInputs, run_train
 from pipeline.training.distributed import is_main_process
 init, packed, out, losses = map(Path, sys.argv[1:5])
 optim = OptimConfig(**json.loads(sys.argv[6]))
-result = run_train(TrainJob(init, packed, out, TrainConfig(**json.loads(sys.argv[5])), optim, 0))
+result = run_train(TrainInputs(init, packed, out), TrainJob(TrainConfig(**json.loads(sys.argv[5])), optim, 0))
 if is_main_process():
     losses.write_text(json.dumps([h["train_loss"] for h in result.history]))
 """
@@ -46,7 +48,7 @@ def test_lora_two_processes_match_one_process(tmp_path: Path, base, packed: Path
     init = tmp_path / "init"
     realize_finetune(RECIPES["lora"], base.f32, load_meta(packed).vocab_size, init)
     optim = OptimConfig(**optim_kwargs(OPTIM["lora"]))
-    single = run_train(TrainJob(init, packed, tmp_path / "single", TrainConfig(**TRAIN), optim, 0))
+    single = run_train(TrainInputs(init, packed, tmp_path / "single"), TrainJob(TrainConfig(**TRAIN), optim, 0))
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     losses = tmp_path / "losses.json"

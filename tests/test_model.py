@@ -14,7 +14,7 @@ from pipeline.config import ModelConfig
 from pipeline.donor.pca import pca
 from pipeline.gguf.reader import GGUFFile
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import load_model_dir, save_model_dir
+from pipeline.modeldir import load_model_dir, save_model_dir
 from pipeline.models.llama_gguf import export_llama, load_llama
 from pipeline.models.ops.elementwise import RMSNormFn, RopeFn, SwiGLUFn
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata

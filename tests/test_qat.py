@@ -17,7 +17,7 @@ from pipeline.models.llama_gguf import export_llama
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 from pipeline.training.checkpoint import config_key
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.qat import fake_q4_0, fake_q8_0, fake_quant, targets
 from pipeline.training.resume import compat_dict
 from pipeline.training.validation import evaluate_loss
@@ -59,7 +59,7 @@ def test_a_qat_run_exports_exactly_the_weights_it_validated(smollm2: GGUFFile, t
     train_ids, val_ids = data[:5000], data[5000:]
     model = realize(TINY, "scratch", 49152, 0)
     tcfg = TrainConfig(steps=6, batch_size=4, seq_len=32, eval_every=3, qat="q4_0", qat_start=0.5, keep_best=False)
-    result = train(model, train_ids, val_ids, tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False)
+    result = train(model, train_ids, val_ids, TrainJob(tcfg, OptimConfig(lr=3e-3, warmup_steps=1), 0, progress=False))
     assert any(not torch.equal(p, fake_quant(p, k)) for p, k in targets(model, "q4_0"))  # not left quantized
     path = export_llama(model, tmp_path / "q.gguf", donor_tokenizer_metadata(smollm2), {}, "q4_0")
     exported, _ = load_gguf(path)

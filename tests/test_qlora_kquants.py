@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig, OptimConfig
-from pipeline.donor.load import load_base
 from pipeline.finetune.adapters import apply_adapter, read_adapter_gguf, save_adapter_gguf
 from pipeline.finetune.lora import attach_lora, merge_lora
+from pipeline.finetune.model import load_base
 from pipeline.finetune.quant import BLOCKS, QuantLinear, dequantize, split_blocks
 from pipeline.gguf.quantize import llamacpp_quantize
 from pipeline.gguf.reader import GGUFFile

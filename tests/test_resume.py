@@ -23,9 +23,9 @@ from pipeline.data.packed import load_split
 from pipeline.data.text import pack
 from pipeline.errors import CheckpointError, ConfigError, NonFiniteError
 from pipeline.init.realize import realize
-from pipeline.io.modeldir import MODEL_FILE, load_model_dir, save_model_dir
+from pipeline.modeldir import MODEL_FILE, load_model_dir, save_model_dir
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.runtime import interrupted
 from tests.conftest import ROOT
@@ -61,12 +61,15 @@ def run_lib(
     init: str = "init",
 ):
     """The library path of the train stage: plan checkpoints, train the initial weights."""
-    optim = optim or OptimConfig(warmup_steps=2)
+    optim = optim or OptimConfig(lr=3e-3, warmup_steps=2)
     plan = plan_checkpoints(tcfg, optim, seed, project / "models" / init, project / "data" / "packed", ckpt_dir)
     model = load_model_dir(project / "models" / init)
     packed = project / "data" / "packed"
     result = train(
-        model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, seed, progress=False, plan=plan
+        model,
+        load_split(packed, "train"),
+        load_split(packed, "val"),
+        TrainJob(tcfg, optim, seed, plan=plan, progress=False),
     )
     return model, result, plan
 
@@ -80,7 +83,9 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 @pytest.mark.parametrize("optimizer", ["adamw", "lbfgs", "adamw-frozen-table"])
 def test_resume_from_a_middle_checkpoint_is_bit_identical(project: Path, tmp_path: Path, optimizer: str) -> None:
     """Also with the token table frozen (optim.table_lr_scale=0): its checkpoints hold only what trains."""
-    optim = OptimConfig(warmup_steps=2) if optimizer == "adamw" else OptimConfig(name="lbfgs", lr=0.5, grad_clip=0)
+    optim = (
+        OptimConfig(lr=3e-3, warmup_steps=2) if optimizer == "adamw" else OptimConfig(name="lbfgs", lr=0.5, grad_clip=0)
+    )
     if optimizer == "adamw-frozen-table":
         optim = OptimConfig(warmup_steps=2, table_lr_scale=0.0)
     full, full_result, plan = run_lib(project, TCFG, tmp_path, optim)
@@ -112,7 +117,13 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_one_before_used(project: 
     weights.write_bytes(bytes(data))
     reports: list[str] = []
     again = plan_checkpoints(
-        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+        TCFG,
+        OptimConfig(lr=3e-3, warmup_steps=2),
+        0,
+        project / "models/init",
+        project / "data/packed",
+        tmp_path,
+        reports.append,
     )
     assert again.resume is not None and again.resume.step == 6
     assert len(reports) == 1 and "step-00000008" in reports[0] and "corrupt" in reports[0]
@@ -166,7 +177,13 @@ def test_a_checkpoint_state_of_wrong_types_is_named_and_skipped(project, trained
     state_file.write_text(json.dumps({**json.loads(state_file.read_text()), **edit}))
     reports: list[str] = []
     again = plan_checkpoints(
-        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+        TCFG,
+        OptimConfig(lr=3e-3, warmup_steps=2),
+        0,
+        project / "models/init",
+        project / "data/packed",
+        tmp_path,
+        reports.append,
     )
     assert again.resume is not None and again.resume.step == 6  # train.resume=auto: the one before it
     assert len(reports) == 1 and f"{state_file}: expected a checkpoint state as train writes it" in reports[0]
@@ -185,7 +202,13 @@ def test_when_every_checkpoint_is_corrupt_the_last_report_says_the_run_starts_ov
         (root / ckpt.step_name(step) / "state.json").write_text("{")
     reports: list[str] = []
     again = plan_checkpoints(
-        TCFG, OptimConfig(warmup_steps=2), 0, project / "models/init", project / "data/packed", tmp_path, reports.append
+        TCFG,
+        OptimConfig(lr=3e-3, warmup_steps=2),
+        0,
+        project / "models/init",
+        project / "data/packed",
+        tmp_path,
+        reports.append,
     )
     assert again.resume is None and len(reports) == 3
     assert all("trying the one before it" in r for r in reports[:2]), reports
@@ -193,7 +216,7 @@ def test_when_every_checkpoint_is_corrupt_the_last_report_says_the_run_starts_ov
 
 
 def test_a_train_state_of_wrong_types_is_one_named_line_from_export(project: Path, tmp_path: Path) -> None:
-    from pipeline.io.modeldir import TrainState, read_train_state
+    from pipeline.modeldir import TrainState, read_train_state
 
     train_dir = tmp_path / "models" / "train"
     ckpt.shutil.copytree(project / "models" / "init", train_dir)
@@ -250,7 +273,7 @@ def test_explicit_resume_from_another_config_names_the_differing_keys(project: P
     # the same checkpoint with its own configuration is accepted
     same = plan_checkpoints(
         replace(TCFG, steps=4, resume=str(plan.root)),
-        OptimConfig(warmup_steps=2),
+        OptimConfig(lr=3e-3, warmup_steps=2),
         0,
         project / "models/init",
         project / "data/packed",
@@ -267,7 +290,7 @@ def test_explicit_resume_of_another_model_names_the_model_keys(project: Path, tm
     with pytest.raises(ConfigError) as err:
         plan_checkpoints(
             replace(TCFG, steps=2, resume=str(plan.root)),
-            OptimConfig(warmup_steps=2),
+            OptimConfig(lr=3e-3, warmup_steps=2),
             0,
             project / "models/init",
             project / "data/packed",
@@ -299,13 +322,18 @@ def nan_after(model: torch.nn.Module, calls: int) -> None:
 
 
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(project: Path, tmp_path: Path) -> None:
-    optim = OptimConfig(warmup_steps=2)
+    optim = OptimConfig(lr=3e-3, warmup_steps=2)
     plan = plan_checkpoints(TCFG, optim, 0, project / "models/init", project / "data/packed", tmp_path)
     model = load_model_dir(project / "models/init")
     nan_after(model, 5)
     packed = project / "data/packed"
     with pytest.raises(NonFiniteError) as err:
-        train(model, load_split(packed, "train"), load_split(packed, "val"), TCFG, optim, 0, progress=False, plan=plan)
+        train(
+            model,
+            load_split(packed, "train"),
+            load_split(packed, "val"),
+            TrainJob(TCFG, optim, 0, plan=plan, progress=False),
+        )
     message = str(err.value)
     assert message.startswith("train step 5:") and "step-00000004" in message and "skip_nonfinite" in message
     assert [s for s, _ in ckpt.step_dirs(plan.root)] == [4, 2]
@@ -313,11 +341,13 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(proj
 
 def test_skip_nonfinite_skips_and_counts(project: Path, tmp_path: Path) -> None:
     tcfg = replace(TCFG, skip_nonfinite=True)
-    optim = OptimConfig(warmup_steps=2)
+    optim = OptimConfig(lr=3e-3, warmup_steps=2)
     model = load_model_dir(project / "models/init")
     nan_after(model, 3)
     packed = project / "data/packed"
-    result = train(model, load_split(packed, "train"), load_split(packed, "val"), tcfg, optim, 0, progress=False)
+    result = train(
+        model, load_split(packed, "train"), load_split(packed, "val"), TrainJob(tcfg, optim, 0, progress=False)
+    )
     assert result.skipped_steps == 1
     assert [h["skipped_steps"] for h in result.history] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert all(torch.isfinite(p).all() for p in model.parameters())

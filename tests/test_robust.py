@@ -28,7 +28,7 @@ from pipeline.data.packed import load_meta, load_rows
 from pipeline.donor.pca import PCAResult
 from pipeline.errors import ChatTemplateError, ConfigError, DataError, GGUFError, PipelineError
 from pipeline.gguf.reader import GGUFFile
-from pipeline.io.modeldir import TrainState, load_model_dir, model_config, save_model_dir
+from pipeline.modeldir import TrainState, load_model_dir, model_config, save_model_dir
 from pipeline.models.gpt2 import GPT2
 from pipeline.models.gpt2_gguf import export_gpt2, load_gpt2
 from pipeline.models.llama import Llama

@@ -24,7 +24,7 @@ from pipeline.export.naming import ShipInfo, data_label, donor_identity
 from pipeline.gguf.header import Field
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_model_gguf
-from pipeline.io.modeldir import TrainState, save_model_dir
+from pipeline.modeldir import TrainState, save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import export_llama, gguf_tensors, llama_metadata, load_llama
 from pipeline.models.registry import export_gguf

@@ -17,7 +17,7 @@ from pipeline.donor.calibrate import CALIBRATION_FILE, Calibration, calibrate, c
 from pipeline.errors import ConfigError, GGUFError, PipelineError
 from pipeline.init.realize import run_realize
 from pipeline.init.subclone import fit_gain, select_heads, select_layers, subclone
-from pipeline.io.modeldir import load_model_dir, read_realize
+from pipeline.modeldir import load_model_dir, read_realize
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.models.transformer import TransformerConfig

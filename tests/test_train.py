@@ -20,7 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.init.realize import realize
 from pipeline.models.ops.varlen import PackedRows
 from pipeline.training.batches import BatchSampler
-from pipeline.training.loop import Hooks, train
+from pipeline.training.loop import Hooks, TrainJob, train
 from pipeline.training.optim import lr_at
 from pipeline.training.runtime import HeapGuard, compile_blocks, keep_freed_memory, resident_bytes, trim_freed_memory
 from pipeline.training.validation import evaluate_loss
@@ -73,11 +73,8 @@ def test_loss_goes_down_on_real_text(packed, precision: str) -> None:
         model,
         train_ids,
         val_ids,
-        tcfg,
-        OptimConfig(lr=3e-3, warmup_steps=5),
-        0,
+        TrainJob(tcfg, OptimConfig(lr=3e-3, warmup_steps=5), 0, progress=False),
         hooks=Hooks(log=lambda m, s: logged.append((s, m))),
-        progress=False,
     )
     assert result.final_val_loss < before - 0.5
     assert math.isfinite(result.final_train_loss)
@@ -100,7 +97,7 @@ def test_training_is_reproducible(packed) -> None:
     runs = []
     for _ in range(2):
         m = realize(TINY, "scratch", 49152, 0)
-        result = train(m, train_ids, val_ids, tcfg, OptimConfig(), 7, progress=False)
+        result = train(m, train_ids, val_ids, TrainJob(tcfg, OptimConfig(), 7, progress=False))
         runs.append(([h["train_loss"] for h in result.history], m.state_dict()))
     assert runs[0][0] == runs[1][0]
     for a, b in zip(runs[0][1].values(), runs[1][1].values()):
@@ -117,7 +114,7 @@ def test_the_token_table_trains_at_its_own_rate_or_not_at_all(packed, scale: flo
     for s in (1.0, scale):
         m = realize(TINY, "scratch", 49152, 0)
         start = {n: p.detach().clone() for n, p in m.named_parameters()}
-        train(m, train_ids, val_ids, tcfg, OptimConfig(table_lr_scale=s, weight_decay=0.0), 7, progress=False)
+        train(m, train_ids, val_ids, TrainJob(tcfg, OptimConfig(table_lr_scale=s, weight_decay=0.0), 7, progress=False))
         moved[s] = {n: float((p.detach() - start[n]).abs().max()) for n, p in m.named_parameters()}
     table, block = "tok_embd.weight", "blocks.0.attn.wq.weight"
     assert moved[scale][block] > 0 and moved[1.0][table] > 0
@@ -130,7 +127,9 @@ def test_the_token_table_trains_at_its_own_rate_or_not_at_all(packed, scale: flo
 def test_grad_accumulation_runs(packed) -> None:
     train_ids, val_ids = packed
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, grad_accum=3, eval_every=2, log_every=1)
-    result = train(realize(TINY, "scratch", 49152, 0), train_ids, val_ids, tcfg, OptimConfig(), 0, progress=False)
+    result = train(
+        realize(TINY, "scratch", 49152, 0), train_ids, val_ids, TrainJob(tcfg, OptimConfig(), 0, progress=False)
+    )
     assert result.tokens_seen == 2 * 2 * 16 * 3
 
 
@@ -138,14 +137,14 @@ def test_batch_larger_than_split_is_named() -> None:
     data = np.arange(100, dtype=np.uint16)
     tcfg = TrainConfig(steps=1, batch_size=8, seq_len=32)
     with pytest.raises(ConfigError, match="train.batch_size x train.seq_len"):
-        train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
+        train(realize(TINY, "scratch", 49152, 0), data, data, TrainJob(tcfg, OptimConfig(), 0, progress=False))
 
 
 def test_seq_len_beyond_context_is_named() -> None:
     data = np.arange(10_000, dtype=np.uint16)
     tcfg = TrainConfig(steps=1, batch_size=1, seq_len=128)
     with pytest.raises(ConfigError, match="context_length=64"):
-        train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
+        train(realize(TINY, "scratch", 49152, 0), data, data, TrainJob(tcfg, OptimConfig(), 0, progress=False))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -238,10 +237,8 @@ def test_compiled_blocks_train_like_eager(packed) -> None:
     runs = []
     for compiled in (False, True):
         tcfg = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=3, log_every=1, precision="fp32")
-        result = train(
-            realize(TINY, "scratch", 49152, 0), train_ids, val_ids, replace(tcfg, compile=compiled), OptimConfig(), 0,
-            progress=False,
-        )  # fmt: skip
+        job = TrainJob(replace(tcfg, compile=compiled), OptimConfig(), 0, progress=False)
+        result = train(realize(TINY, "scratch", 49152, 0), train_ids, val_ids, job)
         runs.append([h["train_loss"] for h in result.history])
     assert runs[1] == pytest.approx(runs[0], abs=1e-4)
 
@@ -279,7 +276,7 @@ def test_lbfgs_reduces_the_loss(packed) -> None:
     optim = OptimConfig(
         name="lbfgs", lr=1.0, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, grad_clip=0.0, lbfgs_max_iter=5
     )
-    result = train(model, train_ids, val_ids, tcfg, optim, 0, progress=False)
+    result = train(model, train_ids, val_ids, TrainJob(tcfg, optim, 0, progress=False))
     assert "history_size" in result.optimizer_state["param_groups"][0]  # torch.optim.LBFGS's own setting
     assert result.final_val_loss < before - 0.3
 
@@ -294,7 +291,7 @@ def test_unavailable_device_is_named() -> None:
     data = np.arange(10_000, dtype=np.uint16)
     with pytest.raises(ConfigError, match="train.device"):
         tcfg = TrainConfig(steps=1, batch_size=2, seq_len=32, device="cuda")
-        train(realize(TINY, "scratch", 49152, 0), data, data, tcfg, OptimConfig(), 0, progress=False)
+        train(realize(TINY, "scratch", 49152, 0), data, data, TrainJob(tcfg, OptimConfig(), 0, progress=False))
 
 
 def test_a_run_that_passes_over_a_small_split_many_times_warns_once(caplog) -> None:
@@ -302,13 +299,13 @@ def test_a_run_that_passes_over_a_small_split_many_times_warns_once(caplog) -> N
 
     tokens = np.zeros(31_000, dtype=np.uint16)  # the 31k-token corpus at the default 400 x 8 x 128
     with caplog.at_level("WARNING"):
-        epochs = warn_overfitting(tokens, TrainConfig())
+        epochs = warn_overfitting(tokens, TrainConfig(steps=400))
     assert epochs == pytest.approx(400 * 8 * 128 / 31_000)
     assert len(caplog.records) == 1 and "13.2 times" in caplog.text and "train.max_epochs=4" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        warn_overfitting(np.zeros(500_000, dtype=np.uint16), TrainConfig())  # 0.8 epochs: silent
-        warn_overfitting(tokens, TrainConfig(max_epochs=0))  # switched off
+        warn_overfitting(np.zeros(500_000, dtype=np.uint16), TrainConfig(steps=400))  # 0.8 epochs: silent
+        warn_overfitting(tokens, TrainConfig(steps=400, max_epochs=0))  # switched off
     assert not caplog.records
 
 
@@ -320,7 +317,9 @@ def test_val_loss_is_also_logged_in_bits_per_byte() -> None:
     logged = []
     hooks = Hooks(log=lambda m, s: logged.append(m))
     model = realize(TINY, "scratch", 49152, 0)
-    result = train(model, ids[:2000], ids[2000:], tcfg, OptimConfig(), 0, hooks, val_bits_per_token=0.25)
+    result = train(
+        model, ids[:2000], ids[2000:], TrainJob(tcfg, OptimConfig(), 0), hooks=hooks, val_bits_per_token=0.25
+    )
     val = [m for m in logged if "val_loss" in m]
     assert len(val) == 2 and all(m["val_bpb"] == pytest.approx(m["val_loss"] * 0.25) for m in val)
     out = metrics(result, 0.25)

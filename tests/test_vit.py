@@ -17,11 +17,11 @@ from pipeline.data.packed import load_data, load_images
 from pipeline.errors import ConfigError, DataError
 from pipeline.gguf.reader import GGUFFile
 from pipeline.init.realize import run_realize
-from pipeline.io.modeldir import load_model_dir
+from pipeline.modeldir import load_model_dir
 from pipeline.models.registry import export_gguf, load_gguf
 from pipeline.models.vit import ViT
 from pipeline.training import checkpoint as ckpt
-from pipeline.training.loop import train
+from pipeline.training.loop import TrainJob, train
 from pipeline.training.resume import plan_checkpoints
 from pipeline.training.validation import classify
 
@@ -86,7 +86,7 @@ def run(project: Path, tcfg: TrainConfig, ckpt_dir: Path):
     plan = plan_checkpoints(tcfg, OPTIM, 0, project / "init", project / "packed", ckpt_dir)
     model = load_model_dir(project / "init")
     data = load_data(project / "packed", "train"), load_data(project / "packed", "val")
-    result = train(model, *data, tcfg, OPTIM, 0, progress=False, plan=plan)
+    result = train(model, *data, TrainJob(tcfg, OPTIM, 0, plan=plan, progress=False))
     return model, result, plan
 
 

@@ -22,7 +22,7 @@ class ExportConfig:
     dtype: str = "f32"
     name: str = ""  # the file's basename (general.basename); "" = the donor's (SmolLM2)
     version: str = ""  # general.version and the file name's version part, e.g. v1.0; "" = none
-    imatrix: int = 0  # tokens of the train split for an importance matrix (pipeline.export.imatrix); 0 = off
+    imatrix: int = 0  # tokens of the train split for an importance matrix (pipeline.export.corpus_imatrix); 0 = off
 
     def __post_init__(self) -> None:
         if self.dtype.startswith(

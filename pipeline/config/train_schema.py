@@ -26,7 +26,7 @@ class OptimConfig:
     (linear warmup, cosine decay to a floor)."""
 
     name: str = "adamw"  # adamw | lbfgs
-    lr: float = 3e-3
+    lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -93,7 +93,7 @@ VOCABS = ("auto", "full", "corpus")
 class TrainConfig:
     """The training loop: steps, batch shape, precision, validation cadence."""
 
-    steps: int = 400
+    steps: int = 300
     batch_size: int = 8
     seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
     grad_accum: int = 1

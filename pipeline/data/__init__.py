@@ -1,2 +1,2 @@
 """The pack stage: corpora, images and instruction examples, the one train/val split rule, and the
-packed-data format."""
+on-disk formats training reads: the packed data and the teacher cache."""

@@ -1,5 +1,5 @@
 """The teach stage: the donor's next-token distribution over the train split, cached once for
-distillation (`pipeline.distill.cache` is the format), and the donor's fp32 val loss and greedy
+distillation (`pipeline.data.teacher_cache` is the format), and the donor's fp32 val loss and greedy
 choices: the yardsticks evaluate reports every student against (as a model and as a draft).
 
 The donor reads the train stream in overlapping windows of `train.distill.context` tokens that
@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.data.packed import PackMeta, begin_with_bos, data_files, load_meta, load_split, spread_spans, window_bos
-from pipeline.distill.cache import TOKENS_FILE, VAL_CHOICE_FILE, TeachMeta, create_arrays, write_meta
+from pipeline.data.teacher_cache import TOKENS_FILE, VAL_CHOICE_FILE, TeachMeta, create_arrays, write_meta
 from pipeline.distill.continuations import build_continuations, sequences_for
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError, problem

@@ -1,20 +1,16 @@
 """The donor GGUF loaded as each recipe needs it, in one place: the teacher as a frozen fp32 module, a
-llama to cut a subclone from, a fine-tune's base in its mode, or only its token embeddings for the PCA
-recipes. (`locate.py` finds the file.)"""
+llama to cut a subclone from, or only its token embeddings for the PCA recipes (a fine-tune's base:
+`pipeline.finetune.model.load_base`). (`locate.py` finds the file.)"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from torch import nn
 
-from pipeline.config import FINETUNE_MODES, ModelConfig
-from pipeline.errors import ConfigError, GGUFError, problem
-from pipeline.finetune.lora import check_architecture
-from pipeline.finetune.quant import load_quantized_base
+from pipeline.config import ModelConfig
+from pipeline.errors import GGUFError, problem
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import SWA_PATTERN, config_from_gguf, load_llama
@@ -125,21 +121,3 @@ def load_donor(path: Path, vocab_size: int) -> DecoderLM:
             )
         )
     return model.eval().requires_grad_(False)
-
-
-RECIPE_NAMES = {"lora": "lora", "qlora": "qlora", "full": "full-finetune"}  # for messages: recipe=<name>
-
-
-def load_base(path: str | os.PathLike[str], mode: str) -> tuple[nn.Module, GGUFFile]:
-    """The base model of a fine-tune, from a GGUF, and the open GGUFFile.
-
-    `lora`, `qlora`: block matrices kept in their blocks (QuantLinear), everything frozen; `full`:
-    fp32, every parameter trainable.
-    """
-    if mode not in FINETUNE_MODES:
-        raise ConfigError(problem("fine-tune mode", f"one of {', '.join(FINETUNE_MODES)}", repr(mode), "pick one"))
-    g = GGUFFile(path)
-    check_architecture(g.architecture, f"{g.path} general.architecture", RECIPE_NAMES[mode])
-    if mode != "full":
-        return load_quantized_base(g), g
-    return load_llama(g)

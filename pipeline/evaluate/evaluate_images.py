@@ -14,9 +14,9 @@ import numpy as np
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import load_images, load_meta
 from pipeline.errors import PipelineError
-from pipeline.io.modeldir import read_train_state
+from pipeline.modeldir import read_train_state
+from pipeline.models.devices import pick_device
 from pipeline.models.registry import load_gguf
-from pipeline.training.runtime import pick_device
 from pipeline.training.validation import classify
 
 F32_LOSS_TOLERANCE = 1e-5  # the same fp32 computation on the same weights: equal but for summation order

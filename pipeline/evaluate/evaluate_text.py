@@ -20,9 +20,9 @@ from torch import nn
 from pipeline.config import EvaluateConfig, PipelineConfig
 from pipeline.data.instruct import Formatter, read_instruct_jsonl
 from pipeline.data.packed import Packed, data_files, is_rows, load_data, load_meta
-from pipeline.distill.cache import META_FILE as TEACH_META
-from pipeline.distill.cache import read_meta as read_teach_meta
-from pipeline.distill.cache import read_val_choice
+from pipeline.data.teacher_cache import META_FILE as TEACH_META
+from pipeline.data.teacher_cache import read_meta as read_teach_meta
+from pipeline.data.teacher_cache import read_val_choice
 from pipeline.errors import ConfigError, PipelineError, problem
 from pipeline.evaluate.parity import check_parity, our_logits, parity_windows
 from pipeline.evaluate.quantized import quant_metrics
@@ -30,12 +30,13 @@ from pipeline.gguf.quantize import K_QUANTS, llamacpp_installed
 from pipeline.inference.sampling import generate_ids
 from pipeline.inference.speculative import draft_acceptance
 from pipeline.io.files import sha256_file
-from pipeline.io.modeldir import read_train_state
+from pipeline.modeldir import read_train_state
+from pipeline.models.devices import pick_device
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.chat_template import default_stop_ids
 from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.training.batches import check_split_fits
-from pipeline.training.runtime import pick_device, trim_freed_memory
+from pipeline.training.runtime import trim_freed_memory
 from pipeline.training.validation import response_nll, scored_windows, validation_loss
 
 log = logging.getLogger(__name__)

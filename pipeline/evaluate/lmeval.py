@@ -31,8 +31,8 @@ from pipeline.errors import ConfigError, PipelineError, problem
 from pipeline.evaluate.lmscore import Pair, score_continuations
 from pipeline.inference.generate import load_for_generation
 from pipeline.inference.sampling import Sampling, complete
+from pipeline.models.devices import pick_device
 from pipeline.tokenizer.chat_template import default_stop_ids, render_messages
-from pipeline.training.runtime import pick_device
 
 MODEL_NAME = "smollm-gguf"
 log = logging.getLogger(__name__)

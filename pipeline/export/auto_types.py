@@ -27,7 +27,7 @@ from torch import nn
 from pipeline.data.packed import load_split
 from pipeline.errors import ConfigError, problem
 from pipeline.gguf import ggml
-from pipeline.gguf.imatrix import Imatrix, quantize_gguf
+from pipeline.gguf.imatrix_format import Imatrix, quantize_gguf
 from pipeline.gguf.quantize import llamacpp_installed
 from pipeline.gguf.reader import GGUFFile
 from pipeline.models.registry import export_gguf, load_gguf

@@ -20,16 +20,16 @@ from torch import nn
 from pipeline.errors import GGUFError, problem
 from pipeline.export.auto_types import budget_mb, calibration_windows, export_auto
 from pipeline.export.card import CardFacts, model_card
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix, export_with_imatrix
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix, export_with_imatrix
 from pipeline.export.naming import ShipInfo, donor_identity, file_name, general_keys, general_metadata, link_or_copy
 from pipeline.finetune.adapters import plain_model, save_adapter_gguf, save_peft_adapter
 from pipeline.finetune.lora import lora_layers
 from pipeline.gguf.header import count_tensors
-from pipeline.gguf.imatrix import write_imatrix
+from pipeline.gguf.imatrix_format import write_imatrix
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import check_export_dtype
 from pipeline.io.files import atomic_dir
-from pipeline.io.modeldir import load_model_dir, read_train_state
+from pipeline.modeldir import load_model_dir, read_train_state
 from pipeline.models.registry import export_gguf
 from pipeline.tokenizer.pretokenizers import donor_tokenizer_metadata
 

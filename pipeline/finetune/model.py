@@ -13,10 +13,29 @@ import os
 import torch
 from torch import nn
 
-from pipeline.config import LoraConfig
-from pipeline.donor.load import load_base
-from pipeline.finetune.lora import attach_lora
-from pipeline.finetune.quant import QuantEmbedding, cache_weights
+from pipeline.config import FINETUNE_MODES, LoraConfig
+from pipeline.errors import ConfigError, problem
+from pipeline.finetune.lora import attach_lora, check_architecture
+from pipeline.finetune.quant import QuantEmbedding, cache_weights, load_quantized_base
+from pipeline.gguf.reader import GGUFFile
+from pipeline.models.llama_gguf import load_llama
+
+RECIPE_NAMES = {"lora": "lora", "qlora": "qlora", "full": "full-finetune"}  # for messages: recipe=<name>
+
+
+def load_base(path: str | os.PathLike[str], mode: str) -> tuple[nn.Module, GGUFFile]:
+    """The base model of a fine-tune, from a GGUF, and the open GGUFFile.
+
+    `lora`, `qlora`: block matrices kept in their blocks (QuantLinear), everything frozen; `full`:
+    fp32, every parameter trainable.
+    """
+    if mode not in FINETUNE_MODES:
+        raise ConfigError(problem("fine-tune mode", f"one of {', '.join(FINETUNE_MODES)}", repr(mode), "pick one"))
+    g = GGUFFile(path)
+    check_architecture(g.architecture, f"{g.path} general.architecture", RECIPE_NAMES[mode])
+    if mode != "full":
+        return load_quantized_base(g), g
+    return load_llama(g)
 
 
 def build_finetune(base: str | os.PathLike[str], mode: str, lora: LoraConfig | None) -> nn.Module:

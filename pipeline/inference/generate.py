@@ -18,12 +18,12 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.inference.decode import PackedLlama, for_decoding
 from pipeline.inference.sampling import Sampling, complete, model_device
 from pipeline.inference.speculative import complete_speculative
-from pipeline.io.modeldir import CONFIG_FILE, MODEL_FILE, is_finetune_dir, load_model_dir, read_spec
+from pipeline.modeldir import CONFIG_FILE, MODEL_FILE, is_finetune_dir, load_model_dir, read_spec
+from pipeline.models.devices import pick_device
 from pipeline.models.registry import load_gguf
 from pipeline.tokenizer.chat_template import default_stop_ids, render_messages
 from pipeline.tokenizer.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
 from pipeline.tokenizer.spans import Span, encode_spans, render_spans
-from pipeline.training.runtime import pick_device
 
 
 def load_for_generation(

@@ -31,7 +31,7 @@ from pipeline.finetune.lora import trainable_summary
 from pipeline.finetune.model import build_finetune
 from pipeline.init.subclone import Selection, fit_gain, subclone, transfer_report
 from pipeline.io.files import atomic_dir
-from pipeline.io.modeldir import FinetuneSpec, save_model_dir
+from pipeline.modeldir import FinetuneSpec, save_model_dir
 from pipeline.models.llama import Llama
 from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab
 from pipeline.models.registry import build_model

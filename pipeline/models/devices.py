@@ -1,4 +1,5 @@
-"""Moving a host tensor to the GPU without making the host wait, and the dtype matmuls run in now.
+"""The device a process runs on, moving a host tensor to the GPU without making the host wait, and the
+dtype matmuls run in now.
 
 A blocking host-to-device copy waits for every kernel already queued on the stream; from pinned memory,
 without blocking, the copy is queued like a kernel and the host goes on (torch's caching host allocator
@@ -9,6 +10,20 @@ tables this way, so a CUDA step never waits for the previous one.
 from __future__ import annotations
 
 import torch
+
+from pipeline.errors import ConfigError, problem
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` prefers CUDA, then MPS, then CPU; a named device must be available here."""
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if name == "auto":
+        return torch.device(next(d for d in ("cuda", "mps", "cpu") if available[d]))
+    if not available.get(name.split(":")[0], False):
+        raise ConfigError(
+            problem("config key train.device", "a device this machine has", f"{name} (unavailable)", "use auto or cpu")
+        )
+    return torch.device(name)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.training.runtime import pick_device
+from pipeline.models.devices import pick_device
 
 PACKAGES = ("torch", "numpy", "gguf", "tokenizers", "mlflow", "dvc", "hydra-core", "matplotlib")
 

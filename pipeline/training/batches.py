@@ -20,7 +20,7 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, begin_with_bos, is_images, is_rows, n_items, window_bos
-from pipeline.distill.cache import TeacherCache
+from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.models.ops.losses import narrow_targets
 from pipeline.training import distributed as dist

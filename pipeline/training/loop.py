@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
-from pipeline.distill.cache import TeacherCache
+from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import NonFiniteError
 from pipeline.models.devices import to_device
 from pipeline.models.ops.head_rows import whole_vocabulary
@@ -35,7 +35,6 @@ from pipeline.training.batches import check_batches, check_distill, make_sampler
 from pipeline.training.graphed import GraphedStep, wants_graphs
 from pipeline.training.optim import (
     clip_gradients,
-    freeze_table,
     gradient_norm,
     lbfgs_step,
     lr_at,
@@ -74,6 +73,18 @@ class Hooks:
 
 
 @dataclass
+class TrainJob:
+    """One training run's settings, as the train stage hands them to the loop (and tests and benchmarks
+    build them): the train and optim config, the seed, the checkpoint plan, a progress display."""
+
+    train: TrainConfig
+    optim: OptimConfig
+    seed: int
+    plan: CheckpointPlan | None = None  # checkpoints and resume (`training.resume.plan_checkpoints`)
+    progress: bool = True  # a progress display on the main rank (off for quiet/json output)
+
+
+@dataclass
 class TrainResult:
     steps: int
     tokens_seen: int
@@ -100,37 +111,32 @@ def train(
     model: nn.Module,
     train_data: np.ndarray | Packed | Images,
     val_data: np.ndarray | Packed | Images,
-    tcfg: TrainConfig,
-    optim: OptimConfig,
-    seed: int,
+    job: TrainJob,
     hooks: Hooks | None = None,
-    plan: CheckpointPlan | None = None,
-    progress: bool = True,
     teacher: TeacherCache | nn.Module | None = None,
     val_bits_per_token: float | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `tcfg.steps` optimizer steps.
+    """Train `model` in place for `job.train.steps` optimizer steps.
 
     The data are token streams (random windows of train.seq_len), packed instruct rows (epochs
     over the rows, response-only loss, segment-masked attention, an extra validation at step 0 and
     at the end of every epoch) or labelled images (epochs over the images, cross-entropy of the
     class logits, validation also at the end of every epoch, with val_accuracy beside val_loss).
-    With a `plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
+    With a `job.plan`, checkpoints every `train.checkpoint_every` steps and at the end, and continues
     from `plan.resume` if set. With `train.distill.weight` > 0,
     `teacher` is the donor's cached targets of `train_data` (cached mode) or the donor (online).
-    `progress`: a progress display on the main rank (`pipeline.progress`); `val_bits_per_token` turns
-    each val loss (nats/token) into bits per byte, logged as `val_bpb` beside it.
+    `val_bits_per_token` turns each val loss (nats/token) into bits per byte, logged as `val_bpb` beside it.
     """
-    check_batches(model, train_data, val_data, tcfg, optim)
-    freeze_table(model, optim)  # before a resumed checkpoint's weights load: it holds only what trains
+    tcfg = job.train
+    check_batches(model, train_data, val_data, tcfg, job.optim)
     check_distill(train_data, tcfg, teacher)
-    run = _Run(model, train_data, val_data, tcfg, optim, seed, hooks or Hooks(), plan, teacher, val_bits_per_token)
+    run = _Run(model, train_data, val_data, job, hooks or Hooks(), teacher, val_bits_per_token)
     if is_rows(train_data) and run.state.initial_val_loss is None:  # the base model's held-out loss, first
         with whole_vocabulary(model):  # what it is compared with at the end is too (`training.trainer`)
             run.state.initial_val_loss = run.validate()["val_loss"]
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
     start = run.state.step
-    bar = Progress("train", total=tcfg.steps, unit="steps", enabled=progress and run.info.is_main, initial=start)
+    bar = Progress("train", total=tcfg.steps, unit="steps", enabled=job.progress and run.info.is_main, initial=start)
     heap = HeapGuard() if run.device.type == "cpu" and is_rows(train_data) else None  # packed rows vary in size
     with stop_on_signals() as asked:
         for step in range(start, start if run.state.stopped_early else tcfg.steps):
@@ -155,12 +161,11 @@ def train(
 class _Run:
     """One call of `train`: the process set up, the session, the sampler and the loop state."""
 
-    def __init__(
-        self, model, train_data, val_data, tcfg, optim, seed, hooks: Hooks, plan: CheckpointPlan | None, teacher, bits
-    ):
+    def __init__(self, model, train_data, val_data, job: TrainJob, hooks: Hooks, teacher, bits: float | None):
+        tcfg, optim, seed, plan = job.train, job.optim, job.seed, job.plan
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
-        self.bits_per_token: float | None = bits  # val loss (nats/token) -> bits per byte
-        self.device = prepare_model(model, tcfg, optim, seed, plan)
+        self.bits_per_token = bits  # val loss (nats/token) -> bits per byte
+        self.device = prepare_model(model, tcfg, optim, seed, plan)  # the token table frozen here, once
         speed_switches(model, tcfg, self.device)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)

@@ -20,16 +20,17 @@ from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import data_files
-from pipeline.distill.cache import META_FILE as TEACH_META
+from pipeline.data.teacher_cache import META_FILE as TEACH_META
 from pipeline.errors import ConfigError, problem
 from pipeline.io.files import fingerprint
-from pipeline.io.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_files, write_weights
+from pipeline.modeldir import MODEL_FILE, OPTIMIZER_FILE, model_config, weight_files, write_weights
+from pipeline.models.devices import pick_device
 from pipeline.models.transformer import TransformerConfig
 from pipeline.training import checkpoint as ckpt
 from pipeline.training import distributed as dist
 from pipeline.training.checkpoint import LoopState
 from pipeline.training.optim import freeze_table
-from pipeline.training.runtime import bound_kernel_caches, keep_freed_memory, pick_device
+from pipeline.training.runtime import bound_kernel_caches, keep_freed_memory
 from pipeline.training.session import Session, trainable_names
 
 # Settings that change the training trajectory: a checkpoint resumes only a run that agrees on all

@@ -27,18 +27,6 @@ log = logging.getLogger(__name__)
 KERNEL_CACHE_CAPACITY = 128  # matmul shapes kept compiled: a step of packed rows uses ~50
 
 
-def pick_device(name: str) -> torch.device:
-    """`auto` prefers CUDA, then MPS, then CPU; a named device must be available here."""
-    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if name == "auto":
-        return torch.device(next(d for d in ("cuda", "mps", "cpu") if available[d]))
-    if not available.get(name.split(":")[0], False):
-        raise ConfigError(
-            problem("config key train.device", "a device this machine has", f"{name} (unavailable)", "use auto or cpu")
-        )
-    return torch.device(name)
-
-
 def keep_freed_memory() -> bool:
     """Serve large CPU tensors from the heap and keep freed memory for reuse (glibc's malloc).
 

@@ -11,22 +11,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.config import OptimConfig, TrainConfig
+from pipeline.config import TrainConfig
 from pipeline.data.packed import Images, PackMeta, load_data, load_meta
-from pipeline.distill.cache import TeacherCache
+from pipeline.data.teacher_cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
-from pipeline.export.imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix
+from pipeline.export.corpus_imatrix import IMATRIX_GGUF, ImatrixSource, corpus_imatrix
 from pipeline.finetune.model import prepare_training
-from pipeline.gguf.imatrix import Imatrix, write_imatrix
+from pipeline.gguf.imatrix_format import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
-from pipeline.io.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
 from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab, whole_vocabulary
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
-from pipeline.training.loop import Hooks, TrainResult, train
+from pipeline.training.loop import Hooks, TrainJob, TrainResult, train
 from pipeline.training.qat import use_imatrix
-from pipeline.training.resume import CheckpointPlan
 from pipeline.training.validation import validation_loss
 
 log = logging.getLogger(__name__)
@@ -42,35 +41,30 @@ def sized(tcfg: TrainConfig, packed_dir: Path) -> TrainConfig:
 
 
 @dataclass
-class TrainJob:
-    """What one execution of the train stage works on."""
+class TrainInputs:
+    """Where one execution of the train stage reads and writes (its settings are the loop's `TrainJob`)."""
 
     init_dir: Path  # the realized model directory
     packed_dir: Path  # the packed data
     out_dir: Path  # written by the main rank only
-    train: TrainConfig
-    optim: OptimConfig
-    seed: int
-    plan: CheckpointPlan | None = None  # checkpoints and resume (`training.resume.plan_checkpoints`)
     teach_dir: Path | None = None  # the teacher with train.distill.mode=cached: the teach stage's cache
     donor: Path | None = None  # the teacher with train.distill.mode=online: the donor GGUF
-    progress: bool = True  # a progress display on the main rank (off for quiet/json output)
     imatrix: ImatrixSource | None = None  # train.qat with export.imatrix: the matrix QAT and the export share
 
 
-def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
-    """Train the model of `job.init_dir` on `job.packed_dir` and write the trained model directory."""
+def run_train(inputs: TrainInputs, job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
+    """Train the model of `inputs.init_dir` on `inputs.packed_dir` as `job` says; write the trained model directory."""
     tcfg = job.train
-    meta = load_meta(job.packed_dir)
-    model, vocab = load_for_training(job.init_dir, meta, tcfg)
-    imx = use_for_qat(model, job.imatrix) if job.imatrix is not None and tcfg.qat else None
+    meta = load_meta(inputs.packed_dir)
+    model, vocab = load_for_training(inputs.init_dir, meta, tcfg)
+    imx = use_for_qat(model, inputs.imatrix) if inputs.imatrix is not None and tcfg.qat else None
     hooks = hooks or Hooks()
     bits = meta.bits_per_token("val")
     try:
-        data = load_data(job.packed_dir, "train"), load_data(job.packed_dir, "val")
-        teacher = load_teacher(tcfg, job.teach_dir, job.donor, vocab)
+        data = load_data(inputs.packed_dir, "train"), load_data(inputs.packed_dir, "val")
+        teacher = load_teacher(tcfg, inputs.teach_dir, inputs.donor, vocab)
         model.head_vocab = head_vocabulary(tcfg, *data, teacher, vocab)
-        result = train(model, *data, tcfg, job.optim, job.seed, hooks, job.plan, job.progress, teacher, bits)
+        result = train(model, *data, job, hooks, teacher, bits)
         if model.head_vocab is not None and result.weights is not None:
             whole_vocabulary_val_loss(model, result, data[1], tcfg)
     finally:
@@ -95,8 +89,8 @@ def run_train(job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
         kept_val_loss=result.kept_val_loss,
         stopped_early=result.stopped_early,
     )
-    spec = read_spec(job.init_dir) if is_finetune_dir(job.init_dir) else None
-    with atomic_dir(job.out_dir) as tmp:
+    spec = read_spec(inputs.init_dir) if is_finetune_dir(inputs.init_dir) else None
+    with atomic_dir(inputs.out_dir) as tmp:
         save_model_dir(tmp, model, result.weights, spec, optimizer_state=result.optimizer_state, train_state=state)
         if imx is not None:
             write_imatrix(tmp / IMATRIX_GGUF, imx)

@@ -4,7 +4,7 @@ A stage only uses its own keys; its inputs come from the stages before it. A mul
 over a key another stage reads (`python -m stages.train -m model.d_model=192,256`) would train the
 same `models/init` in every job while MLflow logs different values. So such a sweep is refused
 before its first job, naming the key and the stages that read it. (A single run may carry the
-whole chain's overrides, as running the stages one by one does; `pipeline.io.lineage` then checks
+whole chain's overrides, as running the stages one by one does; `stages._lineage` then checks
 them against what its inputs were made with.) `STAGE_PARAMS` is also what `dvc.yaml` declares as
 each stage's `params` (a test keeps the two equal).
 """
@@ -49,9 +49,10 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
         "train.distill.source",
         "train.distill.prompt_tokens",
         "train.seq_len",
+        "train.vocab",
         "donor.path",
     ),
-    "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len"),
+    "realize": ("seed", "model", "recipe", "donor.path", "train.seq_len", "train.vocab"),
     "train": ("seed", "train", "optim", "donor.path"),
     "export": ("export", "donor.path", "recipe.lora.dropout", "train.seq_len"),
     "evaluate": ("evaluate", "train.seq_len", "train.batch_size", "train.qat", "recipe.init", "donor.path", "data"),

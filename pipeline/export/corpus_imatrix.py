@@ -3,7 +3,7 @@
 The statistics are collected by our forward over the first `export.imatrix` tokens of the train
 split, in windows of train.seq_len (`pipeline.models.imatrix`), written next to the export in
 llama.cpp's imatrix GGUF (`imatrix.gguf`, which `llama-quantize --imatrix` also takes), and used to
-quantize every tensor that has an entry (`pipeline.gguf.imatrix.quantize_gguf`), with llama.cpp's
+quantize every tensor that has an entry (`pipeline.gguf.imatrix_format.quantize_gguf`), with llama.cpp's
 provenance keys and ours (corpus hash, tokens) in the model's metadata. A QAT run trains to the file
 it will export, so with `train.qat_imatrix` the train stage collects the matrix once, from the model
 it starts from, and saves it in its own directory; export then takes that one (`reuse`). Export alone
@@ -25,7 +25,7 @@ from pipeline.config import PipelineConfig
 from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_bos
 from pipeline.errors import ConfigError, problem
 from pipeline.export.naming import data_label
-from pipeline.gguf.imatrix import Imatrix, quantize_gguf, read_imatrix, write_imatrix
+from pipeline.gguf.imatrix_format import Imatrix, quantize_gguf, read_imatrix, write_imatrix
 from pipeline.models.imatrix import collect_sums
 from pipeline.models.registry import export_gguf
 

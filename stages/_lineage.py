@@ -17,12 +17,12 @@ from typing import Any
 
 from pipeline.config import PipelineConfig
 from pipeline.data.packed import META_FILE, data_files, load_meta
-from pipeline.distill.cache import META_FILE as TEACH_META
-from pipeline.distill.cache import read_meta as read_teach_meta
+from pipeline.data.teacher_cache import META_FILE as TEACH_META
+from pipeline.data.teacher_cache import read_meta as read_teach_meta
 from pipeline.errors import ConfigError, problem
 from pipeline.io.files import sha256_file
-from pipeline.io.inputs import read_record
-from pipeline.io.modeldir import REALIZE_FILE, read_realize
+from pipeline.modeldir import REALIZE_FILE, read_realize
+from stages._input_records import read_record
 
 # A hand run composes conf/ afresh; the workspace's params.yaml is what `dvc repro` / `dvc exp run` made the
 # inputs with, so running on it is the one-step fix (setting the one key may only reveal the next).
