@@ -1,7 +1,7 @@
 """What `export.dtype=auto:<MB>` buys: the types chosen by measurement against the fixed types of the same
 file size, side by side on one trained model.
 
-    python benchmarks/auto_types.py [--types q4_k_m,q4_0] [--windows 4] [--out FILE] [-- extra -S overrides]
+    python benchmarks/auto_types_vs_fixed.py [--types q4_k_m,q4_0] [--windows 4] [--out FILE] [-- extra -S overrides]
 
 For each fixed type, one `dvc exp run` exports it (export, evaluate and report re-run; training is cached),
 then one exports `auto:<that file's size in MB>`. The val loss is evaluate's, of the exported file read back
