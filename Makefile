@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 LLAMACPP ?= llama-cpp-python==0.3.36
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup repro test lint params mlflow-ui llamacpp tcmalloc clean
+.PHONY: setup repro test lint params mlflow-ui llamacpp tcmalloc results clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ tcmalloc:
 		echo "tcmalloc: not installed (needs root and apt-get: sudo apt-get install libtcmalloc-minimal4);" \
 			"CPU training uses glibc's malloc (docs/install.md)"; \
 	fi
+
+# The README's Measured table, generated from the results files' headlines (benchmarks/results/).
+results:
+	python3 benchmarks/results_table.py --write README.md
 
 # Prints the URL that opens the run list (MLflow 3 otherwise lands on its empty GenAI view).
 PORT ?= 5000

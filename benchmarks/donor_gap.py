@@ -18,11 +18,11 @@ default closes, (scratch - default) / (scratch - donor), and the wall time of ea
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
-from harness import exp_run, read_metrics
+from harness import exp_run, read_metrics, write_results
 
 RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
 
@@ -74,12 +74,27 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def figures(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, str]:
+    """The named figures docs/donor.md quotes, per corpus: the default's, the scratch run's and the donor's
+    val loss, the share of the gap closed and the default run's wall time."""
+    out = {}
+    for corpus, r in results.items():
+        share = closed(r)
+        out[f"{corpus}_default_val"] = f"{r['default']['val_loss']:.4f}"
+        out[f"{corpus}_scratch_val"] = f"{r['scratch']['val_loss']:.4f}"
+        out[f"{corpus}_donor_val"] = f"{r['default']['donor_val_loss']:.4f}"
+        out[f"{corpus}_gap"] = f"{share:.1%}" if share < 1 else f"{share:.0%}"
+        out[f"{corpus}_run_s"] = f"{r['default']['wall_seconds']:.0f} s"
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("corpora", nargs="+", help="pydoc, or name=path (a text file, a folder, a .jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for spec in args.corpora:
         corpus, data = data_overrides(spec)
@@ -94,9 +109,7 @@ def main() -> None:
         )
     print(table(results))
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"extra": args.extra, "results": results}, indent=2) + "\n")
-        tmp.replace(args.out)
+        write_results(args.out, figures(results), {"extra": args.extra, "results": results}, load_before)
 
 
 if __name__ == "__main__":

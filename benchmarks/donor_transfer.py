@@ -25,10 +25,11 @@ last method run (the default, `subclone-distill`, unless `--methods` says otherw
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
 from pathlib import Path
 
-from harness import exp_run, read_metrics
+from harness import exp_run, read_metrics, write_results
 
 METHODS: dict[str, tuple[str, ...]] = {
     "scratch": ("recipe=from-scratch", "optim=adamw"),
@@ -77,6 +78,24 @@ def table(results: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def figures(results: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The named figures docs/donor.md quotes, per method (`subclone-8L` -> `subclone_8l`): step-0 val loss
+    (none from random weights), val loss, bits per byte, the share of the gap closed, train and run seconds;
+    and the donor's val loss."""
+    scratch = results.get("scratch", {}).get("val_loss")
+    donor = next(r["donor_val_loss"] for r in results.values() if not math.isnan(r["donor_val_loss"]))
+    out = {"donor_val_loss": f"{donor:.4f}"}
+    for name, r in results.items():
+        slug = name.lower().replace("-", "_")
+        if not math.isnan(r["step0_val_loss"]):
+            out[f"{slug}_step0"] = f"{r['step0_val_loss']:.3f}"
+        out.update({f"{slug}_val_loss": f"{r['val_loss']:.4f}", f"{slug}_val_bpb": f"{r['val_bpb']:.3f}"})
+        if scratch is not None:
+            out[f"{slug}_gap"] = f"{(scratch - r['val_loss']) / (scratch - donor):.0%}"
+        out.update({f"{slug}_train_s": f"{r['train_seconds']:.0f}", f"{slug}_run_s": f"{r['wall_seconds']:.0f}"})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -84,15 +103,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     results: dict[str, dict[str, float]] = {}
     for name in args.methods:
         results[name] = run_method(name, args.steps, args.extra)
         print(f"{name}: val {results[name]['val_loss']:.4f} in {results[name]['wall_seconds']:.0f} s", flush=True)
     print(table(results))
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"steps": args.steps, "extra": args.extra, "results": results}, indent=2) + "\n")
-        tmp.replace(args.out)
+        data = {"steps": args.steps, "extra": args.extra, "results": results}
+        write_results(args.out, figures(results), data, load_before)
 
 
 if __name__ == "__main__":

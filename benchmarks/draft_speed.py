@@ -289,6 +289,17 @@ def report_line(k: int, r: dict, prompts: int) -> str:
     )
 
 
+MEASURED = {  # the README's Measured row (benchmarks/results_table.py): every speed-up beside its baselines
+    "topic": "draft model",
+    "order": 7,
+    "headline": "`preset=draft`, k=2, the exact pairing (fp32 donor): {ours_fp32_k2}, {ours_fp32_k2_vs_own_alone} its "
+    "donor alone, {ours_fp32_k2_vs_ours_best_alone} our fastest single-model decode ({ours_best_alone}), "
+    "{ours_fp32_k2_vs_llamacpp_alone} llama.cpp's donor alone ({llamacpp_alone}); the int8 pairing "
+    "{ours_int8_k2_vs_own_alone} its donor alone; in llama.cpp {llamacpp_k2_vs_llamacpp_alone}",
+    "table": "docs/tools.md#a-student-as-the-donors-draft",
+}
+
+
 def pairings(result: dict) -> dict[str, dict]:
     """Each measured pairing (llama.cpp's, ours per donor precision) by name: its per-k figures."""
     out = {"llamacpp": result["llamacpp"]} if "llamacpp" in result else {}
@@ -367,7 +378,8 @@ def main() -> None:
     named = figures(result)
     print("\n".join(f"{name}: {value}" for name, value in named.items()))
     if args.out:
-        write_results(args.out, named, result, load_before)
+        row = MEASURED if all(f in named for f in ("ours_fp32_k2", "ours_int8_k2", "llamacpp_k2")) else None
+        write_results(args.out, named, result, load_before, **({"measured": row} if row else {}))
 
 
 if __name__ == "__main__":

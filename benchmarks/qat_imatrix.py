@@ -15,12 +15,12 @@ llama-cpp-python (ggml's quantizer; `make llamacpp`).
 from __future__ import annotations
 
 import argparse
-import json
+import os
 from pathlib import Path
 
 import torch
 import yaml
-from harness import ROOT, exp_run, read_metrics  # first: this checkout's library on sys.path
+from harness import ROOT, exp_run, read_metrics, write_results  # first: this checkout's library on sys.path
 
 from pipeline.data.packed import load_split
 from pipeline.evaluate.parity import iter_llamacpp_scores, parity_windows
@@ -55,6 +55,23 @@ def run(name: str, overrides: list[str], windows: list[list[int]]) -> dict[str, 
     return row
 
 
+def figures(base: float, rows: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The named figures docs/export.md quotes: the f32 export's val loss, and per `<type>/<variant>` row
+    (`q4_k_m/qat+imatrix` -> `q4_k_m_qat_imatrix`) its val loss, rise, share of PTQ's rise, 4-window
+    losses and seconds."""
+    out = {"f32_val_loss": f"{base:.4f}"}
+    for name, r in rows.items():
+        if name == "f32":
+            continue
+        slug = name.replace("/", "_").replace("+", "_")
+        out.update({f"{slug}_val_loss": f"{r['val_loss']:.4f}", f"{slug}_rise": f"{r['rise']:+.4f}"})
+        out.update({f"{slug}_share": f"{r['share_of_ptq']:.0%}", f"{slug}_run_s": f"{r['wall_seconds']:.0f}"})
+        if "ours_window_loss" in r:
+            out[f"{slug}_ours_4w"] = f"{r['ours_window_loss']:.4f}"
+            out[f"{slug}_llamacpp_4w"] = f"{r['llamacpp_window_loss']:.4f}"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default="q4_k_m,q4_0")
@@ -65,6 +82,7 @@ def main() -> None:
     ap.add_argument("--prefix", default="qi", help="experiment names' prefix (one per preset run from one commit)")
     ap.add_argument("extra", nargs="*", help="more -S overrides for every run")
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     torch.set_num_threads(2)
     seq_len = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["seq_len"]
     rows: dict[str, dict[str, float]] = {}
@@ -94,7 +112,8 @@ def main() -> None:
             print(f"{line}  {row['wall_seconds']:.0f} s", flush=True)
     print(f"f32 export: val {base:.4f}")
     if args.out:
-        args.out.write_text(json.dumps({"f32_val_loss": base, "tokens": args.tokens, "rows": rows}, indent=1) + "\n")
+        data = {"f32_val_loss": base, "tokens": args.tokens, "rows": rows}
+        write_results(args.out, figures(base, rows), data, load_before)
 
 
 if __name__ == "__main__":

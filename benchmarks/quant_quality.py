@@ -14,17 +14,35 @@ DVC, so the workspace's metrics stay those of the committed pipeline: each type 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import time
 from pathlib import Path
 
 import torch
 import yaml
-from harness import ROOT  # first: this checkout's library on sys.path
+from harness import ROOT, write_results  # first: this checkout's library on sys.path
 
 from pipeline.data.packed import load_split
 from pipeline.evaluate.parity import parity_windows
 from pipeline.evaluate.quantized import quant_metrics
+
+
+def figures(result: dict) -> dict[str, str]:
+    """The named figures docs/export.md quotes: per type its size, val loss, rise over f32, KL and the
+    4-window losses by our reader and llama.cpp (the f32 export's val loss is any row's less its rise)."""
+    m = result["metrics"]
+    types = sorted({k[len("quant_") :].rsplit("_val_loss_rise", 1)[0] for k in m if k.endswith("_val_loss_rise")})
+    t0 = f"quant_{types[0]}_"
+    f32 = m[t0 + "val_loss"] - m[t0 + "val_loss_rise"]
+    out = {"f32_mb": f"{result['export_mb']:.1f}", "f32_val_loss": f"{f32:.4f}", "f32_rise": "0", "f32_kl": "0"}
+    for t in types:
+        k = f"quant_{t}_"
+        out.update({f"{t}_mb": f"{m[k + 'mb']:.1f}", f"{t}_val_loss": f"{m[k + 'val_loss']:.4f}"})
+        out.update({f"{t}_rise": f"{m[k + 'val_loss_rise']:+.4f}", f"{t}_kl": f"{m[k + 'kl']:.2e}"})
+        if k + "llamacpp_window_loss" in m:
+            out[f"{t}_ours_4w"] = f"{m[k + 'ours_window_loss']:.4f}"
+            out[f"{t}_llamacpp_4w"] = f"{m[k + 'llamacpp_window_loss']:.4f}"
+    return out
 
 
 def main() -> None:
@@ -36,6 +54,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     train = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     val = load_split(args.packed, "val")
@@ -53,7 +72,7 @@ def main() -> None:
             line += f"  windows: ours {m[k + 'ours_window_loss']:.4f} llama.cpp {m[k + 'llamacpp_window_loss']:.4f}"
         print(line)
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_results(args.out, figures(result), result, load_before)
 
 
 if __name__ == "__main__":
