@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness import exp_run, read_metrics, write_results
+from harness import read_metrics, timed_exp_run, write_results
 
 RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
 
@@ -40,8 +40,8 @@ def data_overrides(spec: str) -> tuple[str, list[str]]:
 
 
 def run(name: str, overrides: list[str]) -> dict[str, float]:
-    """One `dvc exp run`; its metrics read back from the workspace it leaves."""
-    wall = exp_run(["--force", "-n", name], overrides)  # every stage runs: the wall time is a cold run
+    """One `dvc exp run`; its metrics read back from the workspace it leaves, and each stage's wall time."""
+    wall, stages = timed_exp_run(["--force", "-n", name], overrides)  # every stage runs: a cold run
     ev, tr, teach, pack = (read_metrics(s) for s in ("evaluate", "train", "teach", "pack"))
     return {
         "val_loss": ev["val_loss"],
@@ -51,6 +51,7 @@ def run(name: str, overrides: list[str]) -> dict[str, float]:
         "teach_seconds": teach.get("seconds", 0.0),
         "train_seconds": tr["seconds"],
         "wall_seconds": wall,
+        **{f"stage_{stage}_s": seconds for stage, seconds in stages.items()},
     }
 
 
@@ -85,6 +86,9 @@ def figures(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, str]:
         out[f"{corpus}_donor_val"] = f"{r['default']['donor_val_loss']:.4f}"
         out[f"{corpus}_gap"] = f"{share:.1%}" if share < 1 else f"{share:.0%}"
         out[f"{corpus}_run_s"] = f"{r['default']['wall_seconds']:.0f} s"
+        for key, value in r["default"].items():
+            if key.startswith("stage_"):
+                out[f"{corpus}_{key}"] = f"{value:.0f} s"
     return out
 
 

@@ -77,6 +77,33 @@ def exp_run(args: list[str], overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[str, float]]:
+    """`exp_run`, its output read as it comes: the wall seconds and each stage's, from the moment DVC
+    says "Running stage" to the next (a stage it skips takes no time)."""
+    args = ["dvc", "exp", "run", *args]
+    for override in overrides:
+        args += ["-S", override]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    start = last = time.perf_counter()
+    stages: dict[str, float] = {}
+    current, tail = None, []
+    with subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            tail = (tail + [line])[-40:]
+            if line.startswith(("Running stage '", "Stage '")) or line.startswith("Ran experiment"):
+                now = time.perf_counter()
+                if current:
+                    stages[current] = now - last
+                current = line.split("'")[1] if line.startswith("Running stage '") else None
+                last = now
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed:\n{''.join(tail)}")
+    end = time.perf_counter()
+    if current:
+        stages[current] = end - last
+    return end - start, stages
+
+
 def read_metrics(stage: str) -> dict[str, float]:
     """`metrics/<stage>.json` of the workspace as the last run left it ({} where the stage wrote none)."""
     file = ROOT / "metrics" / f"{stage}.json"

@@ -82,7 +82,7 @@ def main() -> None:
         models[name] = (model, opt)
     data = batches(ws, args.steps + 1)
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for name, (model, opt) in models.items():
+    for model, opt in models.values():
         step(model, opt, data[0])  # warm-up
     for _ in range(args.rounds):
         for name, (model, opt) in models.items():
