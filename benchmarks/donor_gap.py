@@ -3,8 +3,9 @@
     python benchmarks/donor_gap.py pydoc fortunes=/data/fortunes.txt foldoc=/data/foldoc.txt [--out FILE]
 
 Run from the project root after `make setup`. For each corpus (`pydoc`, the built-in default, or
-`name=path`: a text file read with `data=text`, a folder with `data=dir`, a `.jsonl` with
-`data=jsonl`) it runs two `dvc exp run`s in this workspace, through every real stage:
+`name=path`: a text file read with `data=text`, a folder with `data=dir` (every file in it), a
+`.jsonl` with `data=jsonl`; `benchmarks/corpora.py` builds fortunes, FOLDOC, git-doc and perl-doc)
+it runs two `dvc exp run`s in this workspace, through every real stage:
 
 - default: the default config, nothing else set (`recipe=subclone-distill`)
 - scratch: the same student shape trained from random weights (`recipe=from-scratch optim=adamw`)
@@ -35,7 +36,9 @@ def data_overrides(spec: str) -> tuple[str, list[str]]:
     file = Path(path).resolve()
     if not name or not file.exists():
         sys.exit(f"corpus {spec!r}: expected pydoc or name=path to an existing file or folder; fix the path")
-    group = "dir" if file.is_dir() else "jsonl" if file.name.endswith((".jsonl", ".jsonl.gz")) else "text"
+    if file.is_dir():  # every file of the folder, one document each
+        return name, ["data=dir", f"data.path={file}", "data.glob=**/*"]
+    group = "jsonl" if file.name.endswith((".jsonl", ".jsonl.gz")) else "text"
     return name, [f"data={group}", f"data.path={file}"]
 
 
