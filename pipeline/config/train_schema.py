@@ -86,6 +86,9 @@ class DistillConfig:
         return self.weight > 0
 
 
+VOCABS = ("auto", "full", "corpus")
+
+
 @dataclass
 class TrainConfig:
     """The training loop: steps, batch shape, precision, validation cadence."""
@@ -120,9 +123,13 @@ class TrainConfig:
     qat_imatrix: int = (
         0  # train.qat: tokens of the train split for the importance matrix QAT and the export share; 0 = none
     )
+    vocab: str = "auto"  # softmax rows: full | corpus (ids the data and teacher use) | auto (corpus above 65,536)
+    vocab_negatives: int = 8192  # train.vocab=corpus: other ids sampled per step, standing for the rest
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
+        choice(self.vocab, "train.vocab", VOCABS)
+        at_least(self.vocab_negatives, "train.vocab_negatives", 0, "use e.g. 8192")
         for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
             positive(getattr(self, key), f"train.{key}")
         check(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum, "use 1 for none")

@@ -19,11 +19,15 @@ import os
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.errors import DataError, problem
 from pipeline.io.files import atomic_file, fingerprint_of, sha256_file, write_json
+
+if TYPE_CHECKING:  # the pack stage runs without torch
+    import torch
 
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
@@ -266,8 +270,29 @@ def load_data(packed_dir: Path, split: str) -> np.memmap | Packed | Images:
     return load_split(packed_dir, split)
 
 
-def load_split(packed_dir: Path, split: str) -> np.memmap:
-    """One split's ids as a read-only memmap (the whole corpus is never loaded into RAM)."""
+class TokenSplit(np.memmap):
+    """A split's token ids, memmapped read-only, and the id every window cut from it begins with: the BOS
+    its tokenizer adds (`PackMeta.bos_id`), as llama.cpp begins every sequence (Gemma scores 5.07 nats per
+    token on pydoc windows that start mid-text, 3.21 when they start with BOS), or None."""
+
+    bos: int | None = None  # a slice of the split is a plain view: None
+
+
+def window_bos(data: object) -> int | None:
+    """The id the windows of `data` begin with (a `TokenSplit`'s BOS), or None."""
+    return getattr(data, "bos", None)
+
+
+def begin_with_bos(rows: np.ndarray | torch.Tensor, bos: int | None) -> np.ndarray | torch.Tensor:
+    """Windows (n, length) of a token stream as the model is to read them: the first token replaced by `bos`
+    when there is one (the targets, one position on, are untouched)."""
+    if bos is not None:
+        rows[:, 0] = bos
+    return rows
+
+
+def load_split(packed_dir: Path, split: str) -> TokenSplit:
+    """One split's ids as a read-only memmap (the whole corpus is never loaded into RAM), with its BOS."""
     meta = load_meta(packed_dir)
     if meta.format != "tokens":
         raise DataError(
@@ -283,7 +308,9 @@ def load_split(packed_dir: Path, split: str) -> np.memmap:
     if not path.is_file() or path.stat().st_size != expected:
         found = path.stat().st_size if path.is_file() else "no file"
         raise DataError(problem(str(path), f"{expected} bytes per meta.json", f"{found}", "re-run: dvc repro pack"))
-    return np.memmap(path, dtype=np.dtype(meta.dtype).newbyteorder("<"), mode="r")
+    split_ids = TokenSplit(path, dtype=np.dtype(meta.dtype).newbyteorder("<"), mode="r")
+    split_ids.bos = meta.bos_id
+    return split_ids
 
 
 def is_rows(data: object) -> bool:

@@ -60,6 +60,7 @@ class TeachMeta:
     spans: list[list[int]] = field(default_factory=list)  # [start, end) of the train split cached; [] = all
     source: str = "corpus"  # corpus: the spans' own text | donor: its greedy continuations of the spans (prompts)
     sequence: int = 0  # source=donor: each continuation's length (train.seq_len + 1), laid end to end
+    vocab_rows: int = 0  # > 0: the top-k is over these many ids the splits use (train.vocab=corpus); 0: all
 
     @property
     def cached(self) -> bool:

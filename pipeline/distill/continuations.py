@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.data.packed import begin_with_bos, window_bos
 from pipeline.inference.decode import PackedLlama
 from pipeline.models.ops.losses import top_k_targets
 from pipeline.models.transformer import DecoderLM
@@ -58,6 +59,7 @@ def build_continuations(
         for i in range(0, sequences, BATCH):
             group = starts[i : i + BATCH]
             prompts = np.stack([np.asarray(train[s : s + prompt_tokens], dtype=np.int64) for s in group])
+            prompts = begin_with_bos(prompts, window_bos(train))
             ids, targets = _continue(packed, torch.from_numpy(prompts).to(device), sequence, k)
             lo, hi = i * sequence, (i + len(group)) * sequence
             tokens[lo:hi] = ids.reshape(-1)

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.data.packed import PackMeta, data_files, load_meta, load_split, spread_spans
+from pipeline.data.packed import PackMeta, begin_with_bos, data_files, load_meta, load_split, spread_spans, window_bos
 from pipeline.data.teacher_cache import TOKENS_FILE, VAL_CHOICE_FILE, TeachMeta, create_arrays, write_meta
 from pipeline.distill.continuations import build_continuations, sequences_for
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.io.files import atomic_dir, sha256_file
 from pipeline.models.llama import Llama
+from pipeline.models.ops.head_rows import corpus_vocabulary, wants_corpus_vocab
 from pipeline.models.ops.losses import head_targets
 from pipeline.models.registry import gguf_context_length
 from pipeline.models.transformer import DecoderLM
@@ -105,19 +106,27 @@ def build_cache(
     tcfg: TrainConfig,
     device: torch.device,
     progress: bool = True,
+    bos: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> None:
-    """Fill (ids, log-probs, tail) for every position of `tokens` with the donor's top-k."""
+    """Fill (ids, log-probs, tail) for every position of `tokens` with the donor's top-k; each of the
+    donor's windows begins with `bos` when its tokenizer adds one (`pipeline.data.packed.TokenSplit`). With
+    `rows` (ascending ids: train.vocab=corpus) the donor's distribution is over those ids alone,
+    renormalised: its head costs their share of the vocabulary (Gemma 3: 6k of 262k rows on pydoc)."""
     d = tcfg.distill
     windows = teacher_windows(len(tokens), d.context, tcfg.seq_len)
     per_batch = max(1, WINDOW_TOKENS // d.context)
     ids_out, logp_out, tail_out = arrays
-    weight = model.head_weight()
+    weight = model.head_weight() if rows is None else model.head_weight().index_select(0, rows.to(device))
     with Progress("teach", total=len(tokens), unit="tok", enabled=progress) as bar:
         for group in _groups(windows, per_batch):
-            x = torch.from_numpy(np.stack([np.asarray(tokens[s:e], dtype=np.int64) for s, _, e in group])).to(device)
+            batch = np.stack([np.asarray(tokens[s:e], dtype=np.int64) for s, _, e in group])
+            x = torch.from_numpy(begin_with_bos(batch, bos)).to(device)
             h = model.hidden(x)
-            rows = torch.cat([h[i, keep - s :] for i, (s, keep, _) in enumerate(group)])
-            ids, logp, tail = (t.cpu().numpy() for t in head_targets(rows, weight, d.top_k))
+            states = torch.cat([h[i, keep - s :] for i, (s, keep, _) in enumerate(group)])
+            ids, logp, tail = (t.cpu() for t in head_targets(states, weight, d.top_k))
+            ids = (ids if rows is None else rows[ids]).numpy()
+            logp, tail = logp.numpy(), tail.numpy()
             lo, hi = group[0][1], group[-1][2]
             ids_out[lo:hi], logp_out[lo:hi], tail_out[lo:hi] = ids, logp, tail
             bar.update(hi - lo)
@@ -170,6 +179,7 @@ def _cache(
 ) -> tuple[np.ndarray, ...]:
     """The cache's arrays (and tokens.npy when it covers spans or continuations), filled in `tmp`."""
     tokens, d = load_split(packed_dir, "train"), tcfg.distill
+    bos = window_bos(tokens)
     if d.source == "donor":
         refuse_non_llama(model)
         meta.sequence = tcfg.seq_len + 1  # one training window each: the sampler draws them whole
@@ -187,8 +197,22 @@ def _cache(
         np.save(tmp / TOKENS_FILE, tokens)
     meta.positions = len(tokens)
     arrays = create_arrays(tmp, len(tokens), meta.top_k, meta.vocab_size)
-    build_cache(model.to(torch.bfloat16) if meta.precision == "bf16" else model, tokens, arrays, tcfg, device, progress)
+    bf16 = model.to(torch.bfloat16) if meta.precision == "bf16" else model
+    rows = corpus_rows(tcfg, packed_dir, meta)
+    build_cache(bf16, tokens, arrays, tcfg, device, progress, bos, rows)
     return arrays
+
+
+def corpus_rows(tcfg: TrainConfig, packed_dir: Path, meta: TeachMeta) -> torch.Tensor | None:
+    """The ids the train and val splits use when training's softmax runs over them (train.vocab), so the
+    donor's distribution is over the ids the student's is (recorded in `meta.vocab_rows`); else None."""
+    if not wants_corpus_vocab(tcfg.vocab, meta.vocab_size):
+        return None
+    used = corpus_vocabulary([load_split(packed_dir, split) for split in ("train", "val")], None, meta.vocab_size)
+    rows = torch.from_numpy(np.flatnonzero(used)).long()
+    meta.vocab_rows = len(rows)
+    log.info(f"teach: the donor's top-k over the {len(rows):,} of {meta.vocab_size:,} ids the splits use")
+    return rows
 
 
 def refuse_non_llama(model: DecoderLM) -> None:

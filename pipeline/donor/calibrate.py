@@ -32,8 +32,8 @@ from safetensors.numpy import load_file, save_file
 
 from pipeline.config import ModelConfig, SubcloneConfig
 from pipeline.config.checks import check
-from pipeline.data.packed import load_meta, load_split
-from pipeline.donor.load import load_llama_donor
+from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_bos
+from pipeline.donor.load import load_llama_donor, student_config
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.io.files import atomic_dir
 from pipeline.models.llama import Llama
@@ -54,6 +54,7 @@ class Calibration:
     head_energy: np.ndarray  # (L, H) E||head's output through wo||^2 per query head
     neuron_rms: np.ndarray  # (L, F) sqrt(E[act^2]) of each FFN neuron (input of ffn.down)
     tokens: np.ndarray  # (1,) how many tokens were measured
+    post_energy: np.ndarray  # (2L, D) post norms' inputs (Gemma 3): energy fraction per basis direction; (0, D) if none
 
     def save(self, path: str) -> None:
         save_file({f.name: np.ascontiguousarray(getattr(self, f.name), np.float32) for f in fields(self)}, path)
@@ -79,12 +80,18 @@ class _Stats:
         self.cos = torch.zeros(n, dtype=torch.float64)
         self.heads = torch.zeros(n, cfg.n_head, dtype=torch.float64)
         self.neurons = torch.zeros(n, cfg.d_ff, dtype=torch.float64)
+        self.post = torch.zeros(2 * n if cfg.family.post_norms else 0, d, dtype=torch.float64)
         self.tokens = 0
 
     def residual(self, position: int, x: torch.Tensor) -> None:
         u = x.detach().float().flatten(0, 1)
         u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-12)
         self.moments[position] += (u.T @ u).double()
+
+    def branch(self, position: int, y: torch.Tensor) -> None:
+        """A post norm's input, normalised per token: its energy per channel (the basis permutes channels)."""
+        u = y.detach().float().flatten(0, 1)
+        self.post[position] += (u.pow(2) / u.pow(2).mean(-1, keepdim=True).clamp_min(1e-30)).sum(0).double()
 
     def block(self, layer: int, x_in: torch.Tensor, x_out: torch.Tensor) -> None:
         cos = torch.nn.functional.cosine_similarity(x_in.float(), x_out.float(), dim=-1)
@@ -116,6 +123,9 @@ def _attach(stats: _Stats) -> list[torch.utils.hooks.RemovableHandle]:
         handles.append(block.register_forward_hook(lambda _m, args, out, i=i: stats.block(i, args[0], out)))
         handles.append(block.attn.wo.register_forward_pre_hook(pre(lambda y, i=i: stats.head_outputs(i, y))))
         handles.append(block.ffn.down.register_forward_pre_hook(pre(lambda a, i=i: stats.ffn_acts(i, a))))
+        if hasattr(block, "post_attn_norm"):
+            for j, norm in enumerate((block.post_attn_norm, block.post_ffn_norm)):
+                handles.append(norm.register_forward_pre_hook(pre(lambda y, p=2 * i + j: stats.branch(p, y))))
     n = model.cfg.n_layer
     handles.append(model.norm.register_forward_pre_hook(pre(lambda x: stats.residual(2 * n, x))))
     return handles
@@ -125,7 +135,8 @@ def windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torch.Tensor:
     """`n_tokens // seq_len` windows of `seq_len` tokens, evenly spread over the split (deterministic)."""
     n = max(1, n_tokens // seq_len)
     starts = np.linspace(0, len(tokens) - seq_len, n).astype(np.int64)
-    return torch.from_numpy(np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts]))
+    rows = np.stack([np.asarray(tokens[s : s + seq_len], dtype=np.int64) for s in starts])
+    return torch.from_numpy(begin_with_bos(rows, window_bos(tokens)))
 
 
 def check_calib_fits(n_train: int, calib_seq_len: int, context_length: int, model: str, extra: int = 0) -> None:
@@ -196,12 +207,23 @@ def residual_basis(moment: torch.Tensor, outlier_factor: float) -> torch.Tensor:
     return basis
 
 
+def channel_basis(moment: torch.Tensor) -> torch.Tensor:
+    """(D, D) a permutation: the residual's own coordinates, the most energetic first. A block whose branch
+    is normalised before the residual add (Gemma 3's post norms) writes each coordinate through its own
+    norm weight, which no rotation of the stream commutes with; slicing whole coordinates keeps it exact."""
+    order = torch.argsort(moment.diagonal(), descending=True, stable=True)
+    basis = torch.zeros_like(moment)
+    basis[order, torch.arange(len(order))] = 1.0
+    return basis
+
+
 def _reduce(stats: _Stats, outlier_factor: float) -> Calibration:
     """Means over tokens, the residual basis of the mean position moment, each position's energy along it."""
     n = float(stats.tokens)
     moments = stats.moments / n  # each (D, D) with trace ~D: positions count equally
     mean = moments.mean(0)
-    basis = residual_basis(mean, outlier_factor)
+    post = stats.model.cfg.family.post_norms
+    basis = channel_basis(mean) if post else residual_basis(mean, outlier_factor)
     variance = (basis.T @ mean @ basis).diagonal().clamp_min(0)
     energy = torch.einsum("pij,ik,jk->pk", moments, basis, basis)
     energy = energy / energy.sum(-1, keepdim=True)
@@ -214,6 +236,7 @@ def _reduce(stats: _Stats, outlier_factor: float) -> Calibration:
         head_energy=(stats.heads / n).float().numpy(),
         neuron_rms=(stats.neurons / n).sqrt().float().numpy(),
         tokens=np.array([n], dtype=np.float32),
+        post_energy=((stats.post / n) @ basis.abs() / stats.model.cfg.d_model).float().numpy(),
     )
 
 
@@ -242,7 +265,13 @@ def check_student(cfg: TransformerConfig, donor: TransformerConfig) -> None:
         donor.vocab_size,
         "pack the corpus with this donor's tokenizer (dvc repro pack)",
     )
-    check(cfg.arch == "llama", "model.arch", "llama for recipe.init=subclone", cfg.arch, "set model.arch=llama")
+    check(
+        cfg.arch == donor.arch,
+        "model.arch",
+        f"the donor's {donor.arch} for recipe.init=subclone",
+        cfg.arch,
+        "set model.arch=donor",
+    )
     for key in ("d_model", "n_layer", "d_ff"):
         found, limit = getattr(cfg, key), getattr(donor, key)
         check(found <= limit, f"model.{key}", f"at most the donor's {limit}", found, f"set model.{key}<={limit}")
@@ -290,7 +319,7 @@ def run_calibration(
     and the metrics."""
     donor, gguf = load_llama_donor(Path(donor_path))
     vocab = load_meta(packed_dir).vocab_size
-    student = TransformerConfig.from_hparams(mcfg, vocab)
+    student = student_config(mcfg, vocab, Path(donor_path))
     check_donor(donor, Path(donor_path), vocab, Path(packed_dir) / "meta.json", student)
     d_model = student.d_model
     train = load_split(packed_dir, "train")

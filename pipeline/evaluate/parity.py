@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.data.packed import Packed, is_rows
+from pipeline.data.packed import Packed, begin_with_bos, is_rows, window_bos
 from pipeline.errors import PipelineError
 from pipeline.gguf.quantize import llamacpp_installed
 
@@ -57,7 +57,8 @@ def val_windows(val: np.ndarray | Packed, seq_len: int, n: int) -> list[list[int
             rows.append([int(t) for t in ids[seg > 0]])
         return [r for r in rows if len(r) > 1]
     count = min(n, (len(val) - 1) // seq_len)
-    return [np.asarray(val[i * seq_len : (i + 1) * seq_len], dtype=np.int64).tolist() for i in range(count)]
+    rows = np.stack([np.asarray(val[i * seq_len : (i + 1) * seq_len], dtype=np.int64) for i in range(count)])
+    return begin_with_bos(rows, window_bos(val)).tolist() if count else []
 
 
 def llamacpp_logprobs(gguf: Path, windows: list[list[int]], threads: int = 1) -> list[torch.Tensor]:

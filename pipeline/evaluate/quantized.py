@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.data.packed import begin_with_bos, window_bos
 from pipeline.evaluate.metric_names import QUANT_PREFIX
 from pipeline.evaluate.parity import iter_llamacpp_scores
 from pipeline.models.registry import export_gguf, load_gguf
@@ -46,7 +47,7 @@ def loss_and_kl(
     """The quantized model's mean NLL over evaluate's val windows and the mean KL(ref || quant) per token."""
     n = (len(val) - 1) // seq_len
     tokens = torch.from_numpy(np.asarray(val[: n * seq_len + 1], dtype=np.int64))
-    x_all, y_all = tokens[:-1].view(n, seq_len), tokens[1:].view(n, seq_len)
+    x_all, y_all = begin_with_bos(tokens[:-1].view(n, seq_len).clone(), window_bos(val)), tokens[1:].view(n, seq_len)
     nll = kl = 0.0
     for i in range(0, n, batch):
         x, y = x_all[i : i + batch].to(device), y_all[i : i + batch].to(device)

@@ -22,7 +22,7 @@ import numpy as np
 from torch import nn
 
 from pipeline.config import PipelineConfig
-from pipeline.data.packed import load_meta, load_split
+from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_bos
 from pipeline.errors import ConfigError, problem
 from pipeline.export.naming import data_label
 from pipeline.gguf.imatrix_format import Imatrix, quantize_gguf, read_imatrix, write_imatrix
@@ -58,7 +58,7 @@ def corpus_imatrix(model: nn.Module, src: ImatrixSource) -> Imatrix:
         raise ConfigError(
             problem("config key export.imatrix", f">= train.seq_len={src.seq_len} tokens", found, "raise it")
         )
-    windows = np.asarray(ids[: n * src.seq_len]).reshape(n, src.seq_len)
+    windows = begin_with_bos(np.array(ids[: n * src.seq_len]).reshape(n, src.seq_len), window_bos(ids))
     device = next(model.parameters()).device
     sums, tokens = collect_sums(model, windows, src.batch_size, device)
     extra = {

@@ -220,6 +220,10 @@ def _rope_rows_from_hf(b: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _rope_heads(model_cfg: Any, layer: str) -> int | None:
+    """The heads of a q/k layer whose rows GGUF orders otherwise than HF: llama's (adjacent pairs);
+    Qwen's and Gemma's files keep HF's halves (`Family.rope_halves`), so theirs go out as they are."""
+    if model_cfg.family.rope_halves:
+        return None
     return {"attn.wq": model_cfg.n_head, "attn.wk": model_cfg.n_kv_head}.get(layer)
 
 

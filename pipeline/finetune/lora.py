@@ -20,9 +20,9 @@ from torch import nn
 from pipeline.config import LoraConfig
 from pipeline.errors import AdapterError, ConfigError, GGUFError, PipelineError, problem
 from pipeline.finetune.lora_cpu import dropout, project
-from pipeline.models.names import LORA_TARGETS
+from pipeline.models.names import LLAMA_FAMILY, LORA_TARGETS
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = LLAMA_FAMILY
 
 
 class LoRALinear(nn.Module):
@@ -47,6 +47,11 @@ class LoRALinear(nn.Module):
         delta = F.linear(F.linear(kept, self.lora_A) * (self.scaling * factor), self.lora_B)
         return self.base(x) + delta
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base's bias (Qwen2's q/k/v), which adapters leave as it is."""
+        return getattr(self.base, "bias", None)
+
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A, the (out, in) update merging adds to the base weight (fp32)."""
         return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
@@ -68,14 +73,14 @@ def target_paths(model: nn.Module, targets: Iterable[str]) -> list[str]:
 
 
 def check_architecture(arch: str, where: str, recipe: str, error: type[PipelineError] = GGUFError) -> None:
-    """The recipes adapt llama-layout models only (the layer names above); `where` names the key."""
+    """The recipes adapt the llama family only (the layer names above); `where` names the key."""
     if arch not in SUPPORTED_ARCHS:
         raise error(
             problem(
                 where,
                 f"an architecture recipe={recipe} supports ({', '.join(SUPPORTED_ARCHS)})",
                 repr(arch),
-                "use a llama-architecture base GGUF",
+                f"use a base GGUF of the llama family ({', '.join(SUPPORTED_ARCHS)})",
             )
         )
 
@@ -213,8 +218,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
         with torch.no_grad():
             w = m.base_weight() + m.delta_weight()
         device = m.lora_A.device
-        merged = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+        merged = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         merged.weight = nn.Parameter(w.to(device), requires_grad=False)
+        if m.bias is not None:
+            merged.bias = nn.Parameter(m.bias.detach().float().to(device), requires_grad=False)
         parent_path, attr = path.rsplit(".", 1)
         setattr(model.get_submodule(parent_path), attr, merged)
     return model

@@ -72,7 +72,8 @@ class _Projection(torch.autograd.Function):
         a_w, b_w = lora_a.to(dtype), lora_b.to(dtype)
         scale = scaling * (1.0 / (1.0 - p))  # as LoRALinear's unfused forward rounds it
         low = F.linear(kept, a_w).mul_(scale)
-        y = F.linear(xb, base.weight_as(dtype))
+        bias = getattr(base, "bias", None)
+        y = F.linear(xb, base.weight_as(dtype), None if bias is None else bias.to(dtype))
         y.add_(F.linear(low, b_w))
         ctx.save_for_backward(kept, low, a_w, b_w, mask)
         ctx.base, ctx.scale, ctx.dtype, ctx.x_dtype, ctx.w_dtype = base, scale, dtype, x.dtype, lora_a.dtype

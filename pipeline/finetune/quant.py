@@ -24,7 +24,7 @@ from pipeline.gguf.reader import GGUFFile
 from pipeline.models.convert import assign_from_gguf
 from pipeline.models.devices import matmul_dtype
 from pipeline.models.llama import Llama
-from pipeline.models.llama_gguf import LAYOUT, config_from_gguf
+from pipeline.models.llama_gguf import LAYOUTS, config_from_gguf
 from pipeline.models.names import LLAMA_LAYERS, TOKEN_EMBD
 
 # ggml type -> (block size in weights, block size in bytes)
@@ -244,10 +244,14 @@ class QuantMatrix(nn.Module):
 
 
 class QuantLinear(QuantMatrix):
-    """A frozen bias-free linear layer whose weight stays in its GGUF block format."""
+    """A frozen linear layer whose weight stays in its GGUF block format; `bias` (Qwen2's q/k/v), a
+    frozen fp32 parameter or None."""
+
+    bias: nn.Parameter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DequantLinear.apply(x, self)
+        y = _DequantLinear.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class QuantEmbedding(QuantMatrix):
@@ -266,7 +270,7 @@ class QuantEmbedding(QuantMatrix):
 
 
 def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
-    """A llama GGUF as our module with every block matrix a frozen `QuantLinear` (its own blocks).
+    """A llama-family GGUF as our module with every block matrix a frozen `QuantLinear` (its own blocks).
 
     The token table too (`QuantEmbedding`) when its type is one of `BLOCKS`; norms, an untied head and
     a table of another type are dequantized to fp32 as `load_gguf` does; nothing else is ever
@@ -281,8 +285,8 @@ def load_quantized_base(source: str | os.PathLike[str] | GGUFFile) -> nn.Module:
         for layer in matrices:
             _quantize_layer(g, block, layer.ours, f"blk.{i}.{layer.gguf}.weight")
     _quantize_table(g, model)
-    left = model.state_dict()  # the dense rest: embeddings, norms, an untied head
-    names = LAYOUT.names(cfg.n_layer, cfg.tie_embeddings)
+    left = model.state_dict()  # the dense rest: embeddings, norms, biases, an untied head
+    names = LAYOUTS[cfg.arch].names(cfg.n_layer, cfg.tie_embeddings)
     assign_from_gguf(model, g, {ours: theirs for ours, theirs in names.items() if ours in left}, strict=False)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -302,6 +306,8 @@ def _quantize_layer(g: GGUFFile, block: nn.Module, path: str, tensor: str) -> No
                 "the file is inconsistent",
             )
         )
+    if getattr(old, "bias", None) is not None:  # loaded with the dense rest (`assign_from_gguf`)
+        layer.bias = nn.Parameter(torch.empty(layer.out_features, device="meta"), requires_grad=False)
     parent_path, attr = path.rsplit(".", 1)
     setattr(block.get_submodule(parent_path), attr, layer)
 
@@ -329,7 +335,9 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         if isinstance(m, QuantEmbedding):
             dense = nn.Embedding(m.out_features, m.in_features, device="meta")
         else:
-            dense = nn.Linear(m.in_features, m.out_features, bias=False, device="meta")
+            dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            if m.bias is not None:
+                dense.bias = nn.Parameter(m.bias.detach().clone(), requires_grad=False)
         dense.weight = nn.Parameter(m.dequantize(), requires_grad=False)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, dense)

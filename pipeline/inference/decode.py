@@ -147,23 +147,50 @@ class StaticKVCache:
         self.length = min(self.length, length)
 
 
-class PackedLayer:
-    """One llama block's weights, packed."""
+def to_pairs(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of whole heads from the halves layout (RoPE on (x_i, x_i+d/2)) into adjacent pairs: the
+    decoder rotates pairs only (a complex product), and attention is the same under this reordering."""
+    return t.reshape(-1, 2, head_dim // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
-    def __init__(self, block: nn.Module, precision: str):
+
+def _norm_weight(module: nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else module.weight.detach().float().clone()
+
+
+class PackedLayer:
+    """One block's weights, packed; q and k rows (their biases and norms too) in adjacent-pairs order."""
+
+    def __init__(self, block: nn.Module, precision: str, halves: bool = False):
         attn, ffn = block.attn, block.ffn
-        qkv = torch.cat([effective_weight(m) for m in (attn.wq, attn.wk, attn.wv)])
-        self.qkv = PackedLinear(qkv, precision)
+        hd = attn.cfg.head_dim
+        q, k, v = (effective_weight(m) for m in (attn.wq, attn.wk, attn.wv))
+        biases = [getattr(m, "bias", None) for m in (attn.wq, attn.wk, attn.wv)]
+        self.q_norm, self.k_norm = (
+            _norm_weight(getattr(attn, "q_norm", None)),
+            _norm_weight(getattr(attn, "k_norm", None)),
+        )
+        if halves:
+            q, k = to_pairs(q, hd), to_pairs(k, hd)
+            biases[:2] = [None if b is None else to_pairs(b.detach(), hd) for b in biases[:2]]
+            self.q_norm, self.k_norm = (None if w is None else to_pairs(w, hd) for w in (self.q_norm, self.k_norm))
+        self.qkv = PackedLinear(torch.cat([q, k, v]), precision)
+        self.qkv_bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
         self.wo = PackedLinear(effective_weight(attn.wo), precision)
         self.gate_up = PackedLinear(torch.cat([effective_weight(ffn.gate), effective_weight(ffn.up)]), precision)
         self.down = PackedLinear(effective_weight(ffn.down), precision)
+        self.gelu = ffn.gelu
         self.attn_norm = block.attn_norm.weight.detach().float().clone()
         self.ffn_norm = block.ffn_norm.weight.detach().float().clone()
+        self.post_attn_norm = _norm_weight(getattr(block, "post_attn_norm", None))
+        self.post_ffn_norm = _norm_weight(getattr(block, "post_ffn_norm", None))
+        self.local, self.window = attn.local, attn.window
 
     def to(self, device: torch.device) -> PackedLayer:
         for name in ("qkv", "wo", "gate_up", "down"):
             getattr(self, name).to(device)
-        self.attn_norm, self.ffn_norm = self.attn_norm.to(device), self.ffn_norm.to(device)
+        for name in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "qkv_bias"):
+            value = getattr(self, name)
+            setattr(self, name, None if value is None else value.to(device))
         return self
 
 
@@ -187,20 +214,28 @@ class PackedLlama(nn.Module):
             )
         self.dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         with torch.no_grad():
-            self.layers = [PackedLayer(b, precision).to(self.device) for b in model.blocks]
+            halves = cfg.family.rope_halves
+            self.layers = [PackedLayer(b, precision, halves).to(self.device) for b in model.blocks]
             self.norm = model.norm.weight.detach().float().clone().to(self.device)
             self.table = model.embedding_table().detach().to(self.device, self.dtype)  # looked up: stays exact
+            self.embed_scale = model._scale  # Gemma's sqrt(d_model); 0: none
             head = self.table if model.head is None else effective_weight(model.head).to(self.device, self.dtype)
             self.head = PackedLinear(head, "int8" if precision == "int4" else precision).to(self.device)
             self.head_rows = None if self.head.scale is None else head  # rescores the quantized head's best
-            cos, sin = rope_tables(cfg, cfg.context_length, self.device)
-            self.rope = torch.complex(cos, sin)  # (context, head_dim/2): RoPE as a complex product
+            # (context, head_dim/2): RoPE as a complex product; the sliding layers' with their own base
+            self.ropes = [
+                torch.complex(
+                    *rope_tables(cfg, cfg.context_length, self.device, model._frequencies(self.device, local))
+                )
+                for local in (False, True)
+            ]
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(self.cfg, torch.float32, self.device)  # CPU attention in bf16 is slower
 
     def _embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.table).float()
+        x = F.embedding(idx, self.table).float()
+        return x * self.embed_scale if self.embed_scale else x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head; a quantized one's RESCORED best candidates recomputed with the unquantized rows,
@@ -220,8 +255,14 @@ class PackedLlama(nn.Module):
         cfg, w = self.cfg, self.layers[layer]
         b, t, _ = h.shape
         nq, nkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        qkv = w.qkv(h)
-        qk = torch.view_as_complex(qkv[..., : (nq + nkv) * hd].float().view(b, t, nq + nkv, hd // 2, 2))
+        qkv = w.qkv(h) if w.qkv_bias is None else w.qkv(h).float() + w.qkv_bias
+        qk = qkv[..., : (nq + nkv) * hd].float().view(b, t, nq + nkv, hd)
+        if w.q_norm is not None:  # per-head norms (Qwen3, Gemma 3), before RoPE
+            eps = cfg.norm_eps
+            qk = torch.cat(
+                [F.rms_norm(qk[:, :, :nq], (hd,), w.q_norm, eps), F.rms_norm(qk[:, :, nq:], (hd,), w.k_norm, eps)], 2
+            )
+        qk = torch.view_as_complex(qk.view(b, t, nq + nkv, hd // 2, 2))
         qk = torch.view_as_real(qk * rope[:, None]).flatten(-2)
         v = qkv[..., (nq + nkv) * hd :].float().view(b, t, nkv, hd).transpose(1, 2)
         return qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), v
@@ -231,19 +272,29 @@ class PackedLlama(nn.Module):
         cfg, w = self.cfg, self.layers[layer]
         b, t, _ = h.shape
         nq, hd = cfg.n_head, cfg.head_dim
-        q, k, v = self._qkv(layer, h, self.rope[start : start + t])
+        q, k, v = self._qkv(layer, h, self.ropes[w.local][start : start + t])
         if cache is not None:
             cache.k[layer, :, :, start : start + t] = k
             cache.v[layer, :, :, start : start + t] = v
             k, v = cache.k[layer, :, :, : start + t], cache.v[layer, :, :, : start + t]
-        if t == 1:
+        slides = 0 < w.window < start + t
+        if t == 1 and not slides:
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        elif start == 0:
+        elif start == 0 and not slides:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            mask = causal_mask(t, start + t, h.device)
+            mask = causal_mask(t, start + t, h.device, w.window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return w.wo(y.transpose(1, 2).reshape(b, t, nq * hd).to(self.dtype))
+
+    def _branch(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor | None) -> torch.Tensor:
+        """The residual add of a branch's output, normalised first where the family says (Gemma 3)."""
+        return x + (out if post is None else F.rms_norm(out.float(), (out.shape[-1],), post, self.cfg.norm_eps))
+
+    def _ffn(self, w: PackedLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = w.gate_up(self._norm(x, w.ffn_norm)).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if w.gelu else F.silu(gate)
+        return self._branch(x, w.down(act * up), w.post_ffn_norm)
 
     def forward(self, idx: torch.Tensor, cache: StaticKVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """fp32 logits (B, T, vocab), or (B, 1, vocab) of the last position with `last_only`; with a
@@ -260,9 +311,8 @@ class PackedLlama(nn.Module):
                 return logits
         x = self._embed(idx)
         for i, w in enumerate(self.layers):
-            x = x + self._attention(i, self._norm(x, w.attn_norm), start, cache)
-            gate, up = w.gate_up(self._norm(x, w.ffn_norm)).chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            x = self._branch(x, self._attention(i, self._norm(x, w.attn_norm), start, cache), w.post_attn_norm)
+            x = self._ffn(w, x)
         if cache is not None:
             cache.length = start + t
         if last_only:
@@ -295,19 +345,20 @@ class PackedLlama(nn.Module):
         position under a mask of those <= pos. Fixed shapes, no host reads: a CUDA graph can hold it."""
         cfg = self.cfg
         b, nq, nkv, hd = idx.shape[0], cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        seen = (torch.arange(k_all.shape[3], device=idx.device) <= pos).view(1, 1, 1, -1)
-        rope = self.rope.index_select(0, pos)
+        at = torch.arange(k_all.shape[3], device=idx.device)
+        seen = (at <= pos).view(1, 1, 1, -1)
+        ropes = [r.index_select(0, pos) for r in self.ropes]
         x = self._embed(idx)
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(i, self._norm(x, w.attn_norm), rope)
+            q, k, v = self._qkv(i, self._norm(x, w.attn_norm), ropes[w.local])
             k_all[i].index_copy_(2, pos, k)
             v_all[i].index_copy_(2, pos, v)
             q = q.reshape(b, nkv, nq // nkv, hd)  # a query head group per kv head (GQA)
-            scores = (q @ k_all[i].transpose(-1, -2)).mul_(hd**-0.5).masked_fill_(~seen, float("-inf"))
+            mask = seen & (at > pos - w.window).view(1, 1, 1, -1) if w.window else seen
+            scores = (q @ k_all[i].transpose(-1, -2)).mul_(hd**-0.5).masked_fill_(~mask, float("-inf"))
             y = torch.softmax(scores, dim=-1) @ v_all[i]
-            x = x + w.wo(y.reshape(b, 1, nq * hd).to(self.dtype))
-            gate, up = w.gate_up(self._norm(x, w.ffn_norm)).chunk(2, dim=-1)
-            x = x + w.down(F.silu(gate) * up)
+            x = self._branch(x, w.wo(y.reshape(b, 1, nq * hd).to(self.dtype)), w.post_attn_norm)
+            x = self._ffn(w, x)
         return self._logits(self._norm(x, self.norm))
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from pipeline.config import ModelConfig, RecipeConfig
 from pipeline.data.packed import load_data, load_meta, load_split
 from pipeline.donor.calibrate import CALIBRATION_FILE, Calibration, checked_windows
-from pipeline.donor.load import load_llama_donor, read_donor_embeddings
+from pipeline.donor.load import load_llama_donor, read_donor_embeddings, student_config
 from pipeline.donor.pca import PCA_FILE, PCAResult
 from pipeline.errors import ConfigError, problem
 from pipeline.finetune.lora import trainable_summary
@@ -33,8 +33,9 @@ from pipeline.init.subclone import Selection, fit_gain, subclone, transfer_repor
 from pipeline.io.files import atomic_dir
 from pipeline.modeldir import FinetuneSpec, save_model_dir
 from pipeline.models.llama import Llama
+from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab
 from pipeline.models.registry import build_model
-from pipeline.models.transformer import TransformerConfig, count_parameters, init_weights
+from pipeline.models.transformer import count_parameters, init_weights
 from pipeline.models.vit import ViT, ViTConfig
 from pipeline.models.vit_gguf import f32
 from pipeline.training.batches import check_split_fits
@@ -48,18 +49,21 @@ def realize(
     seed: int,
     lens: PCAResult | None = None,
     donor_table: np.ndarray | None = None,
+    donor: Path | None = None,
 ) -> nn.Module:
     """Build and initialise the model; deterministic from `seed`.
 
     `lens` (the donor stage's PCA) is needed for `pca` and `lens`; `donor_table` (the donor's
-    dequantized embedding rows) for `lens` only.
+    dequantized embedding rows) for `lens` only; `donor` (the GGUF) for model.arch=donor.
     """
     if init != "scratch" and lens is None:
         raise ConfigError(problem("recipe.init", "donor PCA outputs for init=" + init, "none", "run the donor stage"))
     if init == "lens" and donor_table is None:
         raise ConfigError(problem("recipe.init=lens", "the donor embedding table", "none", "pass the donor table"))
     donor_dim = lens.components.shape[1] if init == "lens" else 0
-    model = build_model(TransformerConfig.from_hparams(mcfg, vocab_size, donor_dim))
+    if mcfg.arch == "donor" and donor is None:
+        raise ConfigError(problem("model.arch=donor", "the donor GGUF (donor.path)", "none", "pass the donor"))
+    model = build_model(student_config(mcfg, vocab_size, donor, donor_dim))
     init_weights(model, mcfg.init_std, seed)
     if init == "pca":
         _init_pca(model, lens, mcfg.init_std)
@@ -122,20 +126,21 @@ def run_realize(
     donor_dir: Path,
     out_dir: Path,
     seq_len: int = 128,
+    softmax: str = "auto",
 ) -> dict[str, float]:
     """The realize stage: vocab from the packed data; a fine-tune's base, a subclone of the donor
-    (its step-0 val loss at `seq_len`), or a new model initialised from the donor stage's PCA (and,
-    for lens, the donor table); written to `out_dir` atomically."""
+    (its step-0 val loss at `seq_len`, over the softmax `softmax` (train.vocab) says), or a new model
+    initialised from the donor stage's PCA (and, for lens, the donor table); written to `out_dir` atomically."""
     if mcfg.arch == "vit":
         return realize_vit(recipe, mcfg, seed, packed_dir, out_dir)
     vocab = load_meta(packed_dir).vocab_size
     if recipe.finetune:
         return realize_finetune(recipe, donor, vocab, out_dir)
     if recipe.init == "subclone":
-        return realize_subclone(recipe, mcfg, seed, donor, packed_dir, donor_dir, out_dir, seq_len)
+        return realize_subclone(recipe, mcfg, seed, donor, packed_dir, donor_dir, out_dir, seq_len, softmax)
     lens = PCAResult.load(donor_dir / PCA_FILE) if recipe.init != "scratch" else None
     table = read_donor_embeddings(donor).table if recipe.init == "lens" else None
-    model = realize(mcfg, recipe.init, vocab, seed, lens, table)
+    model = realize(mcfg, recipe.init, vocab, seed, lens, table, Path(donor))
     with atomic_dir(out_dir) as tmp:
         save_model_dir(
             tmp, model, realize={"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
@@ -245,17 +250,21 @@ def realize_subclone(
     donor_dir: Path,
     out_dir: Path,
     seq_len: int,
+    softmax: str = "auto",
 ) -> dict[str, float]:
     """Every weight from the donor (pipeline/init/subclone.py), the fp32 val loss before training, and
-    `realize.json` saying what the student kept. Returns the stage metrics."""
+    `realize.json` saying what the student kept. Returns the stage metrics. A large vocabulary's losses
+    (the gain fit's, the val losses) run over the ids the splits use (`train.vocab`), as training's do."""
     val = load_data(packed_dir, "val")
     if isinstance(val, np.ndarray):  # running text: the step-0 val loss needs one window, as train's does
         check_split_fits(len(val), "val", 1, seq_len)
     donor, _ = load_llama_donor(Path(donor_path))
     calib = load_calibration(donor, donor_dir)
-    vocab = load_meta(packed_dir).vocab_size
-    cfg = TransformerConfig.from_hparams(mcfg, vocab)
+    cfg = student_config(mcfg, load_meta(packed_dir).vocab_size, Path(donor_path))
     model, sel = subclone(donor, calib, cfg, recipe.subclone.layers)
+    if wants_corpus_vocab(softmax, cfg.vocab_size):
+        used = corpus_vocabulary([load_split(packed_dir, "train"), val], None, cfg.vocab_size)
+        model.head_vocab = HeadVocab.of(used, cfg.vocab_size, 0)
     report = transfer_report(donor, model, calib, sel)
     report["step0_val_loss_closed_form"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
     settings = recipe.subclone
@@ -264,11 +273,12 @@ def realize_subclone(
         ids = checked_windows(train, n, settings.calib_seq_len, cfg.context_length, "student", extra=1)
         report["head_fit_loss_before"], report["head_fit_loss_after"] = fit_gain(model, ids, settings.head_fit_iters)
     report["step0_val_loss"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
+    model.head_vocab = None
     record = {"recipe": recipe.name, "init": recipe.init, "seed": seed, "model": asdict(mcfg)}
     record["subclone"] = {**report, "seq_len": seq_len, "selection": _selection_record(sel)}
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, realize=record)
-    return {**report, "vocab_size": float(vocab)}
+    return {**report, "vocab_size": float(cfg.vocab_size)}
 
 
 def _selection_record(sel: Selection) -> dict[str, list]:

@@ -25,6 +25,7 @@ Minitron (2407.14679):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -108,7 +109,7 @@ def _rows(heads: tuple[int, ...], hd: int) -> torch.Tensor:
     return torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in heads])
 
 
-def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales: np.ndarray) -> dict:
+def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales: np.ndarray, post: np.ndarray) -> dict:
     """Student block j: the donor block's kept rows/columns, norms folded, rotated and sliced by `q` (D, k)."""
     layer, hd = sel.layers[j], donor.cfg.head_dim
     b = donor.blocks[layer]
@@ -121,7 +122,7 @@ def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales
         return (w.detach().float()[rows] * gain) @ q
 
     p = f"blocks.{j}."
-    return {
+    state = {
         p + "attn_norm.weight": torch.full((k,), float(scales[2 * layer])),
         p + "attn.wq.weight": reads(b.attn.wq.weight, q_rows, g1),
         p + "attn.wk.weight": reads(b.attn.wk.weight, kv_rows, g1),
@@ -132,6 +133,26 @@ def _block_weights(donor: Llama, sel: Selection, j: int, q: torch.Tensor, scales
         p + "ffn.up.weight": reads(b.ffn.up.weight, cols, g2),
         p + "ffn.down.weight": q.T @ b.ffn.down.weight.detach().float()[:, cols],
     }
+    return state | _family_weights(b, p, q_rows, kv_rows, q, post[2 * layer : 2 * layer + 2])
+
+
+def _family_weights(b, p: str, q_rows: torch.Tensor, kv_rows: torch.Tensor, q: torch.Tensor, post: np.ndarray):
+    """What the family adds to a block: the kept heads' biases and q/k norms as they are (heads are kept
+    whole); a post norm's weight on the kept coordinates (`q` permutes them, see `channel_basis`) times
+    the compensation of its input's energy kept (`post_scales`)."""
+    out = {}
+    for name, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows)):
+        bias = getattr(b.attn, name).bias
+        if bias is not None:
+            out[p + f"attn.{name}.bias"] = bias.detach().float()[rows]
+    if hasattr(b.attn, "q_norm"):
+        out[p + "attn.q_norm.weight"] = b.attn.q_norm.weight.detach().float().clone()
+        out[p + "attn.k_norm.weight"] = b.attn.k_norm.weight.detach().float().clone()
+    if hasattr(b, "post_attn_norm"):
+        for i, name in enumerate(("post_attn_norm", "post_ffn_norm")):
+            gain = getattr(b, name).weight.detach().float() @ q.abs()  # a permutation: the kept coordinates
+            out[p + f"{name}.weight"] = gain * float(post[i])
+    return out
 
 
 def tied_gain(calib: Calibration, donor: Llama, q: torch.Tensor) -> torch.Tensor:
@@ -153,16 +174,26 @@ def tied_gain(calib: Calibration, donor: Llama, q: torch.Tensor) -> torch.Tensor
     return torch.linalg.solve(lhs, rhs).float()
 
 
+def post_scales(calib: Calibration, k: int) -> np.ndarray:
+    """`norm_scales` of the post norms' inputs (Gemma 3): index 2l+i is layer l's i-th post norm
+    (0 attention, 1 feed-forward); empty for a family without them."""
+    d = calib.post_energy.shape[1]
+    kept = calib.post_energy[:, :k].sum(1).clip(1e-6, None)
+    return np.sqrt(d * kept / k).astype(np.float32)
+
+
 def student_state(donor: Llama, calib: Calibration, cfg: TransformerConfig, sel: Selection, basis: np.ndarray) -> dict:
-    """Every student parameter, by name."""
+    """Every student parameter, by name. A scaled table (Gemma: x sqrt(width) at the input) is scaled by
+    sqrt(D/k) so the kept coordinates enter the blocks as the donor's do; the tied head's gain undoes it."""
     q = torch.from_numpy(np.ascontiguousarray(basis[:, : cfg.d_model])).float()
-    scales = norm_scales(calib, cfg.d_model)
-    state = {"tok_embd.weight": donor.tok_embd.weight.detach().float() @ q}
+    scales, post = norm_scales(calib, cfg.d_model), post_scales(calib, cfg.d_model)
+    table_scale = math.sqrt(donor.cfg.d_model / cfg.d_model) if cfg.family.embed_scale else 1.0
+    state = {"tok_embd.weight": donor.tok_embd.weight.detach().float() @ q * table_scale}
     for j in range(cfg.n_layer):
-        state.update(_block_weights(donor, sel, j, q, scales))
+        state.update(_block_weights(donor, sel, j, q, scales, post))
     final = float(scales[2 * donor.cfg.n_layer])
     if cfg.tie_embeddings:
-        state["norm.weight"] = tied_gain(calib, donor, q) * final
+        state["norm.weight"] = tied_gain(calib, donor, q) * final / table_scale
     else:
         state["norm.weight"] = torch.full((cfg.d_model,), final)
         head = donor.head_weight().detach().float() * donor.norm.weight.detach().float()
@@ -178,6 +209,8 @@ def subclone(
     check_student(cfg, donor.cfg)
     cfg = replace(cfg, rope_freq_factors=donor.cfg.rope_freq_factors)
     sel = select(calib, donor, cfg, rule)
+    if donor.cfg.sliding_window:  # each kept layer keeps its kind (llama.cpp reads the pattern per layer)
+        cfg = replace(cfg, sliding_layers=tuple(donor.cfg.sliding_layers[i] for i in sel.layers))
     state = student_state(donor, calib, cfg, sel, calib.basis if basis is None else basis)
     with torch.device("meta"):
         model = Llama(cfg)
@@ -206,7 +239,11 @@ def fit_gain(model: Llama, ids: torch.Tensor, iters: int) -> tuple[float, float]
         norm.fill_(1.0)
         u = torch.cat([model.hidden(ids[i : i + 8, :-1]).float() for i in range(0, len(ids), 8)]).flatten(0, 1)
         norm.copy_(start)
-    y, head = ids[:, 1:].flatten(), model.head_weight().detach().bfloat16()
+    y, head = ids[:, 1:].flatten(), model.head_weight().detach()
+    if model.head_vocab is not None:  # a large vocabulary: the ids in use (`ops.head_rows`)
+        rows, _ = model.head_vocab.rows(training=False)
+        y, head = model.head_vocab.map(y), head.index_select(0, rows)
+    head = head.bfloat16()
     gain = torch.nn.Parameter(start.clone())
     opt = torch.optim.LBFGS([gain], max_iter=iters, history_size=10, line_search_fn="strong_wolfe")
 

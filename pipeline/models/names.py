@@ -83,6 +83,7 @@ def block_tensors(arch: str) -> dict[str, str]:
             names.update(extra)
     return names
 
+
 # LoRA target short name -> our module path inside `blocks.{i}`, in block order
 LORA_TARGETS: dict[str, str] = {x.lora: x.ours for x in LLAMA_LAYERS if x.lora}
 # our module path -> the layer (for adapters: GGUF stem, HF module)

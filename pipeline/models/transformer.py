@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.errors import ConfigError, problem
 from pipeline.models.devices import to_device
 from pipeline.models.names import FAMILIES, Family
+from pipeline.models.ops.head_rows import HeadVocab
 from pipeline.models.ops.losses import linear_cross_entropy, linear_distill_loss, linear_nll, select_targets
 from pipeline.models.ops.varlen import PackedRows
 
@@ -75,6 +76,8 @@ class TransformerConfig:
     def from_hparams(cls, hparams: Any, vocab_size: int, donor_dim: int = 0) -> TransformerConfig:
         """The architecture a `ModelConfig` asks for, with the vocabulary the tokenizer fixes."""
         shared = {f.name: getattr(hparams, f.name) for f in fields(cls) if hasattr(hparams, f.name)}
+        head = getattr(hparams, "head_dim", 0)
+        shared["key_length"] = head if head and head * hparams.n_head != hparams.d_model else 0
         return cls(**{**shared, "vocab_size": vocab_size, "donor_dim": donor_dim})
 
     @classmethod
@@ -242,6 +245,7 @@ class DecoderLM(nn.Module):
     norm: nn.Module
     head: nn.Linear | None
     RESIDUAL_PROJECTIONS: tuple[str, ...] = ()  # parameter name endings initialised at std/sqrt(2*n_layer)
+    head_vocab: HeadVocab | None = None  # training's softmax rows (`ops.head_rows`); None: the whole vocabulary
 
     def _token_table(self, cfg: TransformerConfig) -> None:
         """The token table (donor-width when a lens projects it) and the lens: the first parameters."""
@@ -308,9 +312,20 @@ class DecoderLM(nn.Module):
         else:  # packed rows: only the real tokens are computed (`pipeline.models.ops.varlen`)
             rows = PackedRows(segment_ids, idx.device)
             h, t = select_targets(self.packed_hidden(idx, rows), rows.select(targets))
+        w, t, bias = self.head_rows(t)
         if torch.is_grad_enabled():
-            return linear_cross_entropy(h, self.head_weight(), t)
-        return linear_nll(h, self.head_weight(), t)
+            return linear_cross_entropy(h, w, t, bias=bias)
+        return linear_nll(h, w, t)
+
+    def head_rows(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The head rows a loss runs over, `targets` as positions among them, and the rows' logit offsets
+        (None: none): the whole head, or with `head_vocab` the corpus's rows (and a training step's
+        sampled others)."""
+        if self.head_vocab is None:
+            return self.head_weight(), targets, None
+        rows, bias = self.head_vocab.rows(torch.is_grad_enabled())
+        w = self.head_weight()
+        return w.index_select(0, to_device(rows, w.device)), self.head_vocab.map(targets), bias
 
     def distill_loss(
         self,
@@ -324,8 +339,10 @@ class DecoderLM(nn.Module):
         of every position (token windows: no ignored targets), and its detached (CE, KD) parts;
         chunked as `loss` is (`pipeline.models.ops.losses.linear_distill_loss`)."""
         h = self.hidden(idx).flatten(0, 1)
-        t = to_device(targets.flatten(), h.device)
-        return linear_distill_loss(h, self.head_weight(), t, teacher, weight, temperature)
+        w, t, bias = self.head_rows(to_device(targets.flatten(), h.device))
+        if self.head_vocab is not None:
+            teacher = (self.head_vocab.map(teacher[0]), *teacher[1:])
+        return linear_distill_loss(h, w, t, teacher, weight, temperature, bias=bias)
 
 
 def init_weights(model: DecoderLM, std: float, seed: int) -> None:

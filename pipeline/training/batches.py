@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipeline.config import OptimConfig, TrainConfig
-from pipeline.data.packed import Images, Packed, is_images, is_rows, n_items
+from pipeline.data.packed import Images, Packed, begin_with_bos, is_images, is_rows, n_items, window_bos
 from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import ConfigError, DataError, problem
 from pipeline.models.ops.losses import narrow_targets
@@ -45,7 +45,7 @@ class BatchSampler:
             starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size, endpoint=True)
         self.starts = starts
         rows = np.stack([np.asarray(self.data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
-        t = torch.from_numpy(rows)
+        t = torch.from_numpy(begin_with_bos(rows, window_bos(self.data)))
         return t[:, :-1], t[:, 1:]
 
     def state(self) -> dict[str, Any]:

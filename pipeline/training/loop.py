@@ -26,6 +26,7 @@ from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import NonFiniteError
 from pipeline.models.devices import to_device
+from pipeline.models.ops.head_rows import whole_vocabulary
 from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.progress import Progress
 from pipeline.training import checkpoint as ckpt
@@ -131,7 +132,8 @@ def train(
     check_distill(train_data, tcfg, teacher)
     run = _Run(model, train_data, val_data, job, hooks or Hooks(), teacher, val_bits_per_token)
     if is_rows(train_data) and run.state.initial_val_loss is None:  # the base model's held-out loss, first
-        run.state.initial_val_loss = run.validate()["val_loss"]
+        with whole_vocabulary(model):  # what it is compared with at the end is too (`training.trainer`)
+            run.state.initial_val_loss = run.validate()["val_loss"]
         run.log({"val_loss": run.state.initial_val_loss, "val_ppl": math.exp(run.state.initial_val_loss)}, 0)
     start = run.state.step
     bar = Progress("train", total=tcfg.steps, unit="steps", enabled=job.progress and run.info.is_main, initial=start)

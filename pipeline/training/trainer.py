@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from pipeline.config import TrainConfig
-from pipeline.data.packed import PackMeta, load_data, load_meta
+from pipeline.data.packed import Images, PackMeta, load_data, load_meta
 from pipeline.data.teacher_cache import TeacherCache
 from pipeline.donor.load import load_donor
 from pipeline.errors import ConfigError, problem
@@ -20,10 +21,12 @@ from pipeline.finetune.model import prepare_training
 from pipeline.gguf.imatrix_format import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab, whole_vocabulary
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
 from pipeline.training.loop import Hooks, TrainJob, TrainResult, train
 from pipeline.training.qat import use_imatrix
+from pipeline.training.validation import validation_loss
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,10 @@ def run_train(inputs: TrainInputs, job: TrainJob, hooks: Hooks | None = None) ->
     try:
         data = load_data(inputs.packed_dir, "train"), load_data(inputs.packed_dir, "val")
         teacher = load_teacher(tcfg, inputs.teach_dir, inputs.donor, vocab)
+        model.head_vocab = head_vocabulary(tcfg, *data, teacher, vocab)
         result = train(model, *data, job, hooks, teacher, bits)
+        if model.head_vocab is not None and result.weights is not None:
+            whole_vocabulary_val_loss(model, result, data[1], tcfg)
     finally:
         dist.teardown(dist.env_info())
     if result.weights is None:
@@ -89,6 +95,40 @@ def run_train(inputs: TrainInputs, job: TrainJob, hooks: Hooks | None = None) ->
         if imx is not None:
             write_imatrix(tmp / IMATRIX_GGUF, imx)
     return result
+
+
+def head_vocabulary(tcfg: TrainConfig, train_data, val_data, teacher, vocab: int) -> HeadVocab | None:
+    """Training's softmax rows (`train.vocab`): None for the whole vocabulary; else the ids the train and
+    val splits and the teacher's cache hold, and `train.vocab_negatives` sampled others per step."""
+    if not wants_corpus_vocab(tcfg.vocab, vocab) or isinstance(train_data, Images):
+        return None
+    if isinstance(teacher, nn.Module):  # an online teacher's top-k may fall anywhere in the vocabulary
+        if tcfg.vocab == "corpus":
+            raise ConfigError(
+                problem("train.vocab", "full or auto with train.distill.mode=online", "corpus", "set train.vocab=auto")
+            )
+        log.warning("train: the whole vocabulary's softmax: an online teacher's top-k may fall anywhere in it")
+        return None
+    splits = [d if isinstance(d, np.ndarray) else d.input_ids.ravel() for d in (train_data, val_data)]
+    teacher_ids = teacher.ids if isinstance(teacher, TeacherCache) else None
+    used = corpus_vocabulary(splits, teacher_ids, vocab)
+    hv = HeadVocab.of(used, vocab, tcfg.vocab_negatives)
+    log.info(f"train: softmax over the {len(hv.ids):,} of {vocab:,} ids in use, +{hv.negatives:,} others a step")
+    return hv
+
+
+def whole_vocabulary_val_loss(model: nn.Module, result: TrainResult, val, tcfg: TrainConfig) -> None:
+    """The kept weights' val loss over the whole vocabulary (training validated over the ids in use, a lower
+    bound): what the train stage records, and what evaluate finds again in the export."""
+    unexpected = model.load_state_dict(result.weights, strict=False).unexpected_keys  # a fine-tune's: adapters
+    assert not unexpected, unexpected[:3]
+    over_ids = result.kept_val_loss
+    with whole_vocabulary(model):
+        exact = validation_loss(model, val, tcfg.seq_len, tcfg.batch_size, next(model.parameters()).device)
+    log.info(f"train: val loss of the weights kept {exact:.4f} over the whole vocabulary ({over_ids:.4f} over the ids)")
+    if result.kept_step == result.steps:
+        result.final_val_loss = exact
+    result.kept_val_loss = exact
 
 
 def use_for_qat(model: nn.Module, src: ImatrixSource) -> Imatrix:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.data.packed import Images, Packed, is_images, is_rows
+from pipeline.data.packed import Images, Packed, begin_with_bos, is_images, is_rows, window_bos
 from pipeline.models.ops.losses import IGNORE_INDEX
 
 
@@ -43,24 +43,40 @@ def scored_windows(
     model: nn.Module, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device
 ) -> tuple[float, np.ndarray]:
     """`evaluate_loss` and the model's greedy choice (int32, windows x seq_len) at every position of
-    those windows: what a draft model is judged by against its target (inference.speculative)."""
+    those windows: what a draft model is judged by against its target (inference.speculative). A model
+    training over the corpus's ids (`head_vocab`) is scored over them: a lower bound of the whole
+    vocabulary's loss, which the train stage then measures once for the weights it keeps."""
     was_training = model.training
     model.eval()
     n = (len(data) - 1) // seq_len
     if n < 1:  # the stages refuse this first (training.batches.check_split_fits): a caller's bug, named
         raise ValueError(f"evaluate_loss: {len(data)} tokens hold no window of seq_len={seq_len} plus its target")
     tokens = np.asarray(data[: n * seq_len + 1], dtype=np.int64)
-    x_all = torch.from_numpy(tokens[:-1].reshape(n, seq_len))
+    x_all = begin_with_bos(torch.from_numpy(tokens[:-1].reshape(n, seq_len).copy()), window_bos(data))
     y_all = torch.from_numpy(tokens[1:].reshape(n, seq_len))
     total, count, choices = 0.0, 0, []
     for i in range(0, n, batch_size):
         x, y = x_all[i : i + batch_size].to(device), y_all[i : i + batch_size].to(device)
-        logits = model(x).float()
+        logits, y, rows = _logits(model, x, y)
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        choices.append(logits.argmax(-1).to(torch.int32).cpu().numpy())
+        best = logits.argmax(-1)
+        choices.append((best if rows is None else rows[best]).to(torch.int32).cpu().numpy())
         count += y.numel()
     model.train(was_training)
     return total / count, np.concatenate(choices)
+
+
+def _logits(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fp32 logits of windows `x` and their targets `y`: over the whole head, or over `head_vocab`'s ids
+    (then `y` as positions among them, and those ids, to map a choice back)."""
+    vocab = getattr(model, "head_vocab", None)
+    if vocab is None:
+        return model(x).float(), y, None
+    rows = vocab.ids.to(x.device)
+    logits = torch.nn.functional.linear(model.hidden(x), model.head_weight().index_select(0, rows)).float()
+    return logits, vocab.map(y), rows
 
 
 @torch.no_grad()

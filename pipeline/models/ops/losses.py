@@ -72,12 +72,13 @@ _TAIL_FLOOR = 1e-30  # the student's tail mass divides its tail gradient; below 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, dtype, rows: int):
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int, dtype, rows: int, bias):
         n, vocab = h.shape[0], w.shape[0]
         dev = h.device
         with torch.autocast(device_type=dev.type, enabled=False):
             hc_all = h.detach().to(dtype)
             wc = w.detach().to(dtype)
+            bias = None if bias is None else bias.to(dev, dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
             rows = min(rows or chunk, chunk, n)  # softmax block
             kernel = fused_ce.wanted(logits)  # CUDA: one Triton kernel per chunk, no fp32 block
@@ -90,6 +91,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 c = min(chunk, n - start)
                 hc, tc = hc_all[start : start + c], targets[start : start + c]
                 z = torch.mm(hc, wc.t(), out=logits[:c])
+                if bias is not None:
+                    z.add_(bias)
                 if kernel:
                     total += fused_ce.softmax_grad_(z, tc)
                 else:
@@ -107,7 +110,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         # the saved gradients are used once (no retain_graph): scale them in place
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), None, None, None, None
+        return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), None, None, None, None, None
 
 
 def _weight_grad(ctx, grad_w: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
@@ -146,9 +149,10 @@ def _softmax_nll_(z: torch.Tensor, targets: torch.Tensor, buf: torch.Tensor | No
 
 
 def linear_cross_entropy(
-    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk: int | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """mean CE of `h @ w.T` against `targets`; h (N, d), w (V, d), targets (N,).
+    """mean CE of `h @ w.T (+ bias)` against `targets`; h (N, d), w (V, d), targets (N,), bias (V,) a
+    fixed logit offset per column (sampled softmax's, `head_rows`).
 
     Matmuls run in bf16 when autocast is on (as the plain path would), softmax in fp32. `chunk` rows
     at a time: by default as many as the device's `chunk_sizes` allow.
@@ -156,7 +160,7 @@ def linear_cross_entropy(
     dtype = matmul_dtype(h.device.type, torch.float32)
     sizes = chunk_sizes(h.device)
     chunk = chunk or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
-    return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype, sizes.block)
+    return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype, sizes.block, bias)
 
 
 def _rows_within(budget: int, row_bytes: int, most: int = DEFAULT_CHUNK) -> int:
@@ -236,11 +240,12 @@ _LOG_TINY = float(torch.log(torch.tensor(_TINY)))
 
 class _ChunkedLinearDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, t_ids, log_q, weight: float, temperature: float, chunk: int, dtype, rows: int):
+    def forward(ctx, h, w, targets, t_ids, log_q, weight: float, temperature: float, chunk: int, dtype, rows, bias):
         n, vocab = h.shape[0], w.shape[0]
         dev = h.device
         with torch.autocast(device_type=dev.type, enabled=False):
             hc_all, wc = h.detach().to(dtype), w.detach().to(dtype)
+            bias = None if bias is None else bias.to(dev, dtype)
             logits = torch.empty(min(chunk, n), vocab, dtype=dtype, device=dev)
             rows = min(rows or chunk, chunk, n)  # softmax block
             block = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=torch.float32, device=dev)
@@ -251,6 +256,8 @@ class _ChunkedLinearDistill(torch.autograd.Function):
                 c = min(chunk, n - start)
                 hc = hc_all[start : start + c]
                 z = torch.mm(hc, wc.t(), out=logits[:c])
+                if bias is not None:
+                    z.add_(bias)
                 for b in range(0, c, rows):
                     at = slice(start + b, start + min(b + rows, c))
                     sums += _distill_block_(
@@ -268,7 +275,7 @@ class _ChunkedLinearDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_parts: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        none = (None,) * 8
+        none = (None,) * 9
         return grad_h.mul_(grad_out).to(ctx.h_dtype), _weight_grad(ctx, grad_w, grad_out), *none
 
 
@@ -313,8 +320,9 @@ def linear_distill_loss(
     weight: float,
     temperature: float,
     chunk: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(1-weight)*CE + weight*T^2*KL` of `h @ w.T` (see the module doc) and its detached parts (CE, KL).
+    """`(1-weight)*CE + weight*T^2*KL` of `h @ w.T (+ bias)` (see the module doc) and its detached parts (CE, KL).
 
     h (N, d), w (V, d), targets (N,); `teacher` = (ids (..., k), log-probs (..., k), tail log-mass (...))
     as `top_k_targets` makes them, N positions in all. Memory as `linear_cross_entropy`: one chunk of logits
@@ -328,7 +336,7 @@ def linear_distill_loss(
     with torch.autocast(device_type=h.device.type, enabled=False):
         log_q = _coarse(logp, tail, temperature)
     return _ChunkedLinearDistill.apply(
-        h, w, targets, ids.long(), log_q, float(weight), float(temperature), chunk, dtype, sizes.block
+        h, w, targets, ids.long(), log_q, float(weight), float(temperature), chunk, dtype, sizes.block, bias
     )
 
 
