@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import textwrap
 from pathlib import Path
 
-from harness import child_json, peak_rss_mib
+from harness import child_json, peak_rss_mib, write_results
 
 PACK = """
 import json, sys, time
@@ -119,13 +120,39 @@ def fmt(r: dict) -> str:
     return f"{r['tokens']:,.0f} tokens in {r['seconds']:.1f} s = {tps(r):,.0f} tok/s, peak RSS {r['rss_mb']:.0f} MB"
 
 
+MEASURED = {  # the README's Measured row (benchmarks/results_table.py)
+    "topic": "pack",
+    "order": 9,
+    "headline": "2 GiB of text; {t2gib_pack_tok_s} tok/s at {t2gib_pack_rss} peak RSS",
+    "table": "docs/data.md#pack-throughput",
+}
+
+
+def figures(rows: list[dict]) -> dict[str, str]:
+    """The named figures docs/data.md quotes, per corpus size (`t200mib`, `t2gib`): pack's and the plain
+    loop's tokens/s and peak RSS, and their ratio."""
+    out = {}
+    for row in rows:
+        size = row["size_mb"]
+        key = f"t{size // 1024}gib" if size % 1024 == 0 else f"t{size}mib"
+        for side in ("pack", "plain"):
+            if side in row:
+                out[f"{key}_{side}_tok_s"] = f"{tps(row[side]) / 1000:.0f}k"
+                out[f"{key}_{side}_rss"] = f"{row[side]['rss_mb']:.0f} MB"
+        if "ratio" in row:
+            out[f"{key}_ratio"] = f"{row['ratio']:.2f}"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=2048)
     ap.add_argument("--small-mb", type=int, default=200)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/pack_bench"))
     ap.add_argument("--plain-at-full", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", type=Path, help="the results file (benchmarks/results/pack_throughput.json)")
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     args.dir.mkdir(parents=True, exist_ok=True)
     rows = [measure(args.dir, args.small_mb, plain=True)]
     if args.size_mb > args.small_mb:
@@ -133,6 +160,10 @@ def main() -> None:
     children = peak_rss_mib(children=True)
     print(f"largest child peak RSS (RUSAGE_CHILDREN): {children:.0f} MB")
     print(json.dumps(rows, indent=1))
+    if args.out:
+        named = figures(rows)
+        row = MEASURED if "t2gib_pack_tok_s" in named else None  # the README's row needs the 2 GiB run
+        write_results(args.out, named, rows, load_before, **({"measured": row} if row else {}))
 
 
 if __name__ == "__main__":

@@ -221,6 +221,13 @@ def test_every_measured_figure_names_its_results_file(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_every_benchmark_script_is_listed() -> None:
+    """docs/benchmarks.md says what each script in benchmarks/ measures and where its results live."""
+    listed = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert [s for s in scripts if f"`{s}`" not in listed] == [], "add them to docs/benchmarks.md's table"
+
+
 def test_the_readme_measured_table_is_the_generated_one() -> None:
     text = README.read_text(encoding="utf-8")
     rows = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
