@@ -9,7 +9,7 @@ training's softmax over:
 
 - full:      every row of the head (train.vocab=full);
 - corpus:    the ids the splits and the teacher use (train.vocab=corpus, train.vocab_negatives=0);
-- corpus+8k: those and 8,192 others sampled per step, standing for the rest (the default for >65,536).
+- corpus_8k: those and 8,192 others sampled per step, standing for the rest (the default for >65,536).
 
 The contenders take turns on the same batches (`--rounds` rounds of `--steps` steps each, after one
 warm-up step), each from the same weights; the median step and its ratio to `full` are printed.
@@ -34,7 +34,7 @@ from pipeline.data.teacher_cache import TeacherCache
 from pipeline.modeldir import load_model_dir
 from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary
 
-CONTENDERS = {"full": None, "corpus": 0, "corpus+8k": 8192}
+CONTENDERS = {"full": None, "corpus": 0, "corpus_8k": 8192}
 
 
 def batches(ws: Path, n: int, seq_len: int = 128, batch: int = 8, seed: int = 0) -> list[tuple]:
