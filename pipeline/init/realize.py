@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipeline.config import ModelConfig, RecipeConfig
-from pipeline.data.packed import load_data, load_meta, load_split
+from pipeline.data.packed import load_data, load_meta, load_split, window_bos
 from pipeline.donor.calibrate import CALIBRATION_FILE, Calibration, checked_windows
 from pipeline.donor.load import load_llama_donor, read_donor_embeddings, student_config
 from pipeline.donor.pca import PCA_FILE, PCAResult
@@ -266,6 +266,7 @@ def realize_subclone(
         used = corpus_vocabulary([load_split(packed_dir, "train"), val], None, cfg.vocab_size)
         model.head_vocab = HeadVocab.of(used, cfg.vocab_size, 0)
     report = transfer_report(donor, model, calib, sel)
+    val = first_tokens(val, STEP0_TOKENS)  # step-0 figures: a fixed share of a large val split is enough
     report["step0_val_loss_closed_form"] = validation_loss(model, val, seq_len, 8, torch.device("cpu"))
     settings = recipe.subclone
     if settings.head_fit_tokens:
@@ -279,6 +280,18 @@ def realize_subclone(
     with atomic_dir(out_dir) as tmp:
         save_model_dir(tmp, model, realize=record)
     return {**report, "vocab_size": float(cfg.vocab_size)}
+
+
+STEP0_TOKENS = 8192  # realize's step-0 val losses read at most this many val tokens (all of pydoc's 7k)
+
+
+def first_tokens(val, n: int):
+    """A token split's first `n` + 1 tokens (each window's target included), keeping its BOS (`TokenSplit`)."""
+    if not isinstance(val, np.ndarray) or len(val) <= n + 1:
+        return val
+    head = val[: n + 1].view(type(val))
+    head.bos = window_bos(val)
+    return head
 
 
 def _selection_record(sel: Selection) -> dict[str, list]:
