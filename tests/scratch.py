@@ -33,6 +33,8 @@ eval_every: 3
 log_every: 1
 device: cpu
 threads: 0
+vocab: auto              # DVC's params must all be in params.yaml (teach declares train.vocab*)
+vocab_negatives: 8192
 qat: ''                  # DVC's params must all be in params.yaml (evaluate declares train.qat)
 distill:                 # DVC's params must all be in params.yaml (the teach stage declares these)
   weight: 0.0

@@ -71,7 +71,8 @@ def project(tmp_path_factory, smollm2) -> Path:
 def single(project: Path, tmp_path_factory) -> list[float]:
     """The one-process losses: the same total batch through the library in this process."""
     tcfg = TrainConfig(steps=STEPS, batch_size=4, seq_len=32, eval_every=3, log_every=1, checkpoint_every=2)
-    _, result, _ = run_lib(project, tcfg, tmp_path_factory.mktemp("single"), OptimConfig(warmup_steps=4), 1337)
+    # optim=adamw (lr 3e-3) is what the torchrun stage runs; OptimConfig()'s lr is optim=subclone's
+    _, result, _ = run_lib(project, tcfg, tmp_path_factory.mktemp("single"), OptimConfig(lr=3e-3, warmup_steps=4), 1337)
     return losses(result.history)
 
 

@@ -19,8 +19,8 @@ from pipeline.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
 TEXT = (
     "The for statement is used to iterate over the elements of a sequence (such as a string, tuple or list) "
-    "or other iterable object:\n\n    for_stmt ::= \"for\" target_list \"in\" starred_list \":\" suite\n\n"
-    "Ein Beispiel auf Deutsch, один пример по-русски, 日本語の例もあります。 {\"key\": [1, 2.5, null]}\n"
+    'or other iterable object:\n\n    for_stmt ::= "for" target_list "in" starred_list ":" suite\n\n'
+    'Ein Beispiel auf Deutsch, один пример по-русски, 日本語の例もあります。 {"key": [1, 2.5, null]}\n'
     "| a | b |\n|---|---|\n| 1 | 2 |\n"
 ) * 7
 

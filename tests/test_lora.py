@@ -35,6 +35,7 @@ from pipeline.finetune.quant import (
 )
 from pipeline.gguf.reader import GGUFFile
 from pipeline.gguf.writer import write_gguf
+from pipeline.models.gpt2 import GPT2
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import gguf_tensors, llama_metadata, load_llama
 from pipeline.models.transformer import TransformerConfig, init_weights
@@ -191,7 +192,7 @@ def test_rank_above_layer_width_and_double_attach_are_named() -> None:
         attach_lora(m, LoraConfig(rank=2, targets=("q", "k"), dropout=0.0))
     assert all(p.requires_grad for p in m.parameters())  # nothing was changed
     with pytest.raises(ConfigError, match="model config arch: expected an architecture recipe=lora supports"):
-        attach_lora(Llama(replace(CFG, arch="gpt2")), LoraConfig(dropout=0.0))
+        attach_lora(GPT2(replace(CFG, arch="gpt2")), LoraConfig(dropout=0.0))
 
 
 def test_unsupported_base_architecture_is_named(tmp_path: Path) -> None:
