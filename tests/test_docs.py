@@ -50,8 +50,6 @@ MEASURE = re.compile(
 )
 # a target an issue set or a bound a test holds, not a measurement: "the bar 1.5x", "at most 0.05 nats"
 BAR = re.compile(r"\b(?:bars?(?: of| at most| at least)?|at most|at least|bound(?: of)?) $")
-# Rows the lead rewrites (issue 52): until then the "names no results file" check passes over them.
-PENDING_TABLES = {"README.md": "## Recipes"}
 
 
 def pages() -> list[Path]:
@@ -160,20 +158,6 @@ def figure_links(page: Path) -> list[tuple[int, str, Path, str]]:
     return out
 
 
-def pending(page: Path) -> set[int]:
-    """The prose lines of a table PENDING_TABLES names: the rows of the first table under that heading."""
-    heading = PENDING_TABLES.get(page.name if page.parent == ROOT else "")
-    if heading is None:
-        return set()
-    lines, skip, inside = prose_lines(page), set(), False
-    for n, line in enumerate(lines, 1):
-        if line.startswith("#"):
-            inside = line.strip() == heading
-        elif inside and line.startswith("|"):
-            skip.add(n)
-    return skip
-
-
 def measured(line: str) -> list[str]:
     """The measured figures a line quotes other than as links to their named values (code spans aside)."""
     bare = FIGURE_LINK.sub("", INLINE_CODE.sub("", line))
@@ -182,10 +166,10 @@ def measured(line: str) -> list[str]:
 
 def unsourced(page: Path) -> list[str]:
     """Lines quoting a measured figure that is not a link to its results file's named value."""
-    problems, skip = [], pending(page)
+    problems = []
     for n, line in enumerate(prose_lines(page), 1):
         found = measured(line)
-        if found and n not in skip:
+        if found:
             problems.append(f"{page.relative_to(ROOT)}: {found} in: {line.strip()[:140]}")
     return problems
 
