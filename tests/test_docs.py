@@ -167,7 +167,7 @@ def measured(line: str) -> list[str]:
 def unsourced(page: Path) -> list[str]:
     """Lines quoting a measured figure that is not a link to its results file's named value."""
     problems = []
-    for n, line in enumerate(prose_lines(page), 1):
+    for line in prose_lines(page):
         found = measured(line)
         if found:
             problems.append(f"{page.relative_to(ROOT)}: {found} in: {line.strip()[:140]}")
