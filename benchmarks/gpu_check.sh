@@ -31,6 +31,7 @@ failed=0
 part() {  # part NAME TIMEOUT ARGS...: one command under timeout (capped by the budget left), tee'd to $OUT/NAME.txt
     local name=$1 limit=$2 start=$SECONDS left=$((BUDGET - SECONDS))
     shift 2
+    [ "$left" -lt 0 ] && left=0  # setting up may already have spent a second past a spent budget
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 20 ]; then echo "skipped: $name (${left}s of the ${BUDGET}s budget left)"; failed=1; return; fi
     echo "=== $name (timeout ${limit}s): $*"
