@@ -41,6 +41,8 @@ from pipeline.models.vit_gguf import f32
 from pipeline.training.batches import check_split_fits
 from pipeline.training.validation import validation_loss
 
+STEP0_TOKENS = 8192  # realize's step-0 val losses read at most this many val tokens (all of pydoc's 7k)
+
 
 def realize(
     mcfg: ModelConfig,
@@ -282,10 +284,7 @@ def realize_subclone(
     return {**report, "vocab_size": float(cfg.vocab_size)}
 
 
-STEP0_TOKENS = 8192  # realize's step-0 val losses read at most this many val tokens (all of pydoc's 7k)
-
-
-def first_tokens(val, n: int):
+def first_tokens(val: np.ndarray, n: int) -> np.ndarray:
     """A token split's first `n` + 1 tokens (each window's target included), keeping its BOS (`TokenSplit`)."""
     if not isinstance(val, np.ndarray) or len(val) <= n + 1:
         return val
