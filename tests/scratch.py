@@ -45,6 +45,7 @@ distill:                 # DVC's params must all be in params.yaml (the teach st
   cache_tokens: 262144
   source: corpus
   prompt_tokens: 32
+  share: 0.0
 """
 TINY_VAL_FRACTION = 0.03
 

@@ -247,6 +247,8 @@ def test_a_cache_budget_caches_spans_and_training_draws_from_them(project: Proje
     assert isinstance(sampler, MixedSampler) and 0 < share < 1
     kinds = [len(sampler()) for _ in range(tcfg.steps)]
     assert kinds.count(5) == int(tcfg.steps * share)  # distillation batches, evenly interleaved with plain ones
+    every = replace(tcfg, distill=replace(tcfg.distill, share=1.0))  # every batch distils, the cache read twice
+    assert all(len(b) == 5 for b in (make_sampler(tokens, every, 0, cache)() for _ in range(tcfg.steps)))
     state = copy.deepcopy(sampler.state())  # its state is its whole future (checkpoints carry it)
     ahead = [sampler() for _ in range(5)]
     again = make_sampler(tokens, tcfg, 0, cache)

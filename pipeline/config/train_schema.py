@@ -70,6 +70,7 @@ class DistillConfig:
     cache_tokens: int = 262144  # cached mode: at most this many train positions (evenly spread spans); 0 = all
     source: str = "corpus"  # cached mode: the text the donor is cached over: corpus | donor (its own continuations)
     prompt_tokens: int = 32  # source=donor: train tokens each continuation starts from
+    share: float = 0.0  # cached spans: the share of micro-batches that distil (0 = the cache's share of what is read)
 
     def __post_init__(self) -> None:
         check(0 <= self.weight <= 1, "train.distill.weight", "a value in [0, 1]", self.weight, "use 0 (off) to 1")
@@ -80,6 +81,7 @@ class DistillConfig:
         integer(self.cache_tokens, "train.distill.cache_tokens", 0, "use 0 (the whole train split) or e.g. 262144")
         choice(self.source, "train.distill.source", DISTILL_SOURCES)
         integer(self.prompt_tokens, "train.distill.prompt_tokens", 1, "use e.g. 32 (fewer than train.seq_len)")
+        check(0 <= self.share <= 1, "train.distill.share", "a value in [0, 1]", self.share, "use 0 (auto) to 1")
 
     @property
     def enabled(self) -> bool:

@@ -98,11 +98,14 @@ class MixedSampler:
 
 
 def distill_share(positions: int, tcfg: TrainConfig) -> float:
-    """The share of micro-batches that distil: the cached positions over the tokens the run reads
-    (at most 1: a cache at least that large serves every batch). With weight 1 the data's own next
-    token is no target at all, so every batch distils, reading the cache as often as it takes."""
+    """The share of micro-batches that distil: `train.distill.share` when set, else the cached
+    positions over the tokens the run reads (at most 1: a cache at least that large serves every
+    batch). With weight 1 the data's own next token is no target at all, so every batch distils,
+    reading the cache as often as it takes."""
     if tcfg.distill.weight >= 1.0:
         return 1.0
+    if tcfg.distill.share > 0:
+        return tcfg.distill.share
     return min(1.0, positions / (tcfg.steps * tcfg.grad_accum * tcfg.batch_size * tcfg.seq_len))
 
 
