@@ -14,11 +14,15 @@ and prints, per corpus, the student's, the from-scratch model's and the donor's 
 on the same windows of `train.seq_len`, measured by the teach stage), the fraction of the gap the
 default closes, (scratch - default) / (scratch - donor), and the wall time of each `dvc exp run`
 (the default's is the whole chain, pack to report). `-S key=value` adds an override to both runs.
+`--scratch-from FILE` takes each corpus's scratch run from an earlier results file of this script
+instead of running it again (valid while the change under test leaves the student's shape and the
+from-scratch recipe alone; the file's name is recorded).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -100,14 +104,21 @@ def main() -> None:
     parser.add_argument("corpora", nargs="+", help="pydoc, or name=path (a text file, a folder, a .jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
+    parser.add_argument("--scratch-from", type=Path, default=None, help="reuse the scratch runs of this results file")
     args = parser.parse_args()
+    earlier = json.loads(args.scratch_from.read_text())["data"]["results"] if args.scratch_from else {}
     load_before = os.getloadavg()[0]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for spec in args.corpora:
         corpus, data = data_overrides(spec)
-        results[corpus] = {
-            kind: run(f"gap-{corpus}-{kind}", [*data, *overrides, *args.extra]) for kind, overrides in RUNS.items()
-        }
+        if args.scratch_from and corpus not in earlier:
+            sys.exit(f"--scratch-from {args.scratch_from}: no scratch run of {corpus!r} there; drop the flag")
+        results[corpus] = {}
+        for kind, overrides in RUNS.items():
+            reuse = kind == "scratch" and args.scratch_from
+            results[corpus][kind] = (
+                earlier[corpus][kind] if reuse else run(f"gap-{corpus}-{kind}", [*data, *overrides, *args.extra])
+            )
         r = results[corpus]
         print(
             f"{corpus}: default {r['default']['val_loss']:.4f}, scratch {r['scratch']['val_loss']:.4f}, "
@@ -116,7 +127,8 @@ def main() -> None:
         )
     print(table(results))
     if args.out:
-        write_results(args.out, figures(results), {"extra": args.extra, "results": results}, load_before)
+        data = {"extra": args.extra, "scratch_from": str(args.scratch_from or ""), "results": results}
+        write_results(args.out, figures(results), data, load_before)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ distill:                 # DVC's params must all be in params.yaml (the teach st
   mode: cached
   context: 512
   cache_tokens: 262144
+  span: 8192
   source: corpus
   prompt_tokens: 32
   share: 0.0

@@ -68,6 +68,7 @@ class DistillConfig:
     mode: str = "cached"  # cached | online
     context: int = 512  # cached mode: the donor's window; every cached position sees >= train.seq_len tokens
     cache_tokens: int = 262144  # cached mode: at most this many train positions (evenly spread spans); 0 = all
+    span: int = 8192  # cached mode: tokens per cached span (under a budget, more spans reach more of the corpus)
     source: str = "corpus"  # cached mode: the text the donor is cached over: corpus | donor (its own continuations)
     prompt_tokens: int = 32  # source=donor: train tokens each continuation starts from
     share: float = 0.0  # cached spans: the share of micro-batches that distil (0 = the cache's share of what is read)
@@ -79,6 +80,7 @@ class DistillConfig:
         choice(self.mode, "train.distill.mode", DISTILL_MODES)
         integer(self.context, "train.distill.context", 2, "use e.g. 512 (more than train.seq_len)")
         integer(self.cache_tokens, "train.distill.cache_tokens", 0, "use 0 (the whole train split) or e.g. 262144")
+        integer(self.span, "train.distill.span", 2, "use e.g. 8192 (tokens per cached span)")
         choice(self.source, "train.distill.source", DISTILL_SOURCES)
         integer(self.prompt_tokens, "train.distill.prompt_tokens", 1, "use e.g. 32 (fewer than train.seq_len)")
         check(0 <= self.share <= 1, "train.distill.share", "a value in [0, 1]", self.share, "use 0 (auto) to 1")

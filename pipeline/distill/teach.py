@@ -46,7 +46,6 @@ from pipeline.training.validation import scored_windows
 
 log = logging.getLogger(__name__)
 WINDOW_TOKENS = 2048  # donor tokens per forward: enough rows for the bf16 matmuls to run at speed
-CACHE_SPAN = 8192  # train tokens per cached span (a budget spreads whole spans over the split)
 VAL_BATCH = 8  # windows per validation forward (the windows themselves are evaluate's)
 
 
@@ -64,10 +63,10 @@ def teacher_windows(n: int, context: int, seq_len: int) -> list[tuple[int, int, 
     return windows
 
 
-def cache_spans(n: int, budget: int) -> list[list[int]]:
-    """The train positions the donor caches under `train.distill.cache_tokens`: spans of 8192 spread
-    over the split ([] = all of it)."""
-    return spread_spans(n, budget, CACHE_SPAN)
+def cache_spans(n: int, budget: int, span: int = 8192) -> list[list[int]]:
+    """The train positions the donor caches under `train.distill.cache_tokens`: spans of
+    `train.distill.span` tokens spread over the split ([] = all of it)."""
+    return spread_spans(n, budget, span)
 
 
 def _groups(windows: list[tuple[int, int, int]], per_batch: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -191,7 +190,7 @@ def _cache(
         np.save(tmp / TOKENS_FILE, text.astype(tokens.dtype))
         meta.positions = len(text)
         return arrays
-    meta.spans = cache_spans(len(tokens), d.cache_tokens)
+    meta.spans = cache_spans(len(tokens), d.cache_tokens, d.span)
     if meta.spans:
         tokens = np.concatenate([tokens[s:e] for s, e in meta.spans])
         np.save(tmp / TOKENS_FILE, tokens)

@@ -46,6 +46,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
         "train.distill.top_k",
         "train.distill.context",
         "train.distill.cache_tokens",
+        "train.distill.span",
         "train.distill.source",
         "train.distill.prompt_tokens",
         "train.seq_len",
