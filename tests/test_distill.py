@@ -236,6 +236,8 @@ def test_a_cache_budget_caches_spans_and_training_draws_from_them(project: Proje
     assert len(meta.spans) >= 1 and meta.positions == len(expected) <= len(tokens) // 2
     assert np.array_equal(cache.tokens, expected) and len(cache.ids) == len(expected)
     assert metrics["cached_positions"] == len(expected)
+    quarter = replace(tcfg, distill=replace(tcfg.distill, span=budget // 4))  # train.distill.span reaches teach
+    assert [e - s for s, e in project.teach_with(quarter, tmp_path / "teach4")[0].spans] == [budget // 4] * 4
     donor = load_donor(project.donor, VOCAB)
     with torch.no_grad():  # the first window of the spans' stream is the donor's own forward over it
         lp = torch.log_softmax(donor(torch.from_numpy(expected[: DISTILL.context].astype(np.int64))[None])[0], -1)
