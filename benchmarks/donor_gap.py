@@ -14,9 +14,9 @@ and prints, per corpus, the student's, the from-scratch model's and the donor's 
 on the same windows of `train.seq_len`, measured by the teach stage), the fraction of the gap the
 default closes, (scratch - default) / (scratch - donor), and the wall time of each `dvc exp run`
 (the default's is the whole chain, pack to report). `-S key=value` adds an override to both runs.
-`--scratch-from FILE` takes each corpus's scratch run from an earlier results file of this script
-instead of running it again (valid while the change under test leaves the student's shape and the
-from-scratch recipe alone; the file's name is recorded).
+`--scratch-from FILE` (repeatable) takes a corpus's scratch run from an earlier results file of this
+script instead of running it again, where that file has one (valid while the student's shape and the
+from-scratch recipe are the same as then; the files' names are recorded).
 """
 
 from __future__ import annotations
@@ -104,18 +104,18 @@ def main() -> None:
     parser.add_argument("corpora", nargs="+", help="pydoc, or name=path (a text file, a folder, a .jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("-S", dest="extra", action="append", default=[], help="one more override for every run")
-    parser.add_argument("--scratch-from", type=Path, default=None, help="reuse the scratch runs of this results file")
+    parser.add_argument(
+        "--scratch-from", type=Path, action="append", default=[], help="reuse a results file's scratch runs"
+    )
     args = parser.parse_args()
-    earlier = json.loads(args.scratch_from.read_text())["data"]["results"] if args.scratch_from else {}
+    earlier = {c: r for f in args.scratch_from for c, r in json.loads(f.read_text())["data"]["results"].items()}
     load_before = os.getloadavg()[0]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for spec in args.corpora:
         corpus, data = data_overrides(spec)
-        if args.scratch_from and corpus not in earlier:
-            sys.exit(f"--scratch-from {args.scratch_from}: no scratch run of {corpus!r} there; drop the flag")
         results[corpus] = {}
         for kind, overrides in RUNS.items():
-            reuse = kind == "scratch" and args.scratch_from
+            reuse = kind == "scratch" and corpus in earlier
             results[corpus][kind] = (
                 earlier[corpus][kind] if reuse else run(f"gap-{corpus}-{kind}", [*data, *overrides, *args.extra])
             )
@@ -127,7 +127,7 @@ def main() -> None:
         )
     print(table(results))
     if args.out:
-        data = {"extra": args.extra, "scratch_from": str(args.scratch_from or ""), "results": results}
+        data = {"extra": args.extra, "scratch_from": [str(f) for f in args.scratch_from], "results": results}
         write_results(args.out, figures(results), data, load_before)
 
 
