@@ -63,7 +63,7 @@ def teacher_windows(n: int, context: int, seq_len: int) -> list[tuple[int, int, 
     return windows
 
 
-def cache_spans(n: int, budget: int, span: int = 8192) -> list[list[int]]:
+def cache_spans(n: int, budget: int, span: int) -> list[list[int]]:
     """The train positions the donor caches under `train.distill.cache_tokens`: spans of
     `train.distill.span` tokens spread over the split ([] = all of it)."""
     return spread_spans(n, budget, span)
