@@ -25,6 +25,7 @@ from harness import ROOT  # first: this checkout's library on sys.path
 from pipeline.models.transformer import TransformerConfig
 
 SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer every shape of ours trains with (pydoc data, the donor)
+SMOLLM2_ROPE_THETA = 100000.0  # SmolLM2-135M's RoPE base (a shape of model.arch=donor takes the donor's)
 H100_BF16_TFLOPS = 989.0  # H100 SXM dense bf16 peak: the MFU denominator the issue uses
 
 
@@ -70,7 +71,8 @@ def conf_shape(name: str, model: str, batch: int, seq: int) -> Shape:
     """A shape from conf/model/<model>.yaml, so the benchmark follows the config if it changes."""
     m = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
     dims = [m[k] for k in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff")]
-    return Shape(name, SMOLLM2_VOCAB, *dims, batch, seq, m["rope_theta"])
+    theta = m["rope_theta"] or SMOLLM2_ROPE_THETA  # 0 = the donor's (model.arch=donor): the default donor's
+    return Shape(name, SMOLLM2_VOCAB, *dims, batch, seq, theta)
 
 
 def default_run_batch_seq() -> tuple[int, int]:
@@ -84,7 +86,7 @@ def named_shapes() -> dict[str, Shape]:
     b, t = default_run_batch_seq()
     return {
         # SmolLM2-135M (the donor): head size 64, RoPE base 1e5
-        "135m": Shape("135m", SMOLLM2_VOCAB, 576, 30, 9, 3, 1536, 16, 1024, 100000.0),
+        "135m": Shape("135m", SMOLLM2_VOCAB, 576, 30, 9, 3, 1536, 16, 1024, SMOLLM2_ROPE_THETA),
         "tiny": conf_shape("tiny", "llama-tiny", 64, 512),
         "tiny-default": conf_shape("tiny-default", "llama-tiny", b, t),
         "small": conf_shape("small", "llama-small", 32, 512),

@@ -24,8 +24,8 @@ from tests.conftest import ROOT
 def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
-    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone-distill" and cfg.model.d_model == 384
-    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.5 and cfg.train.distill.source == "corpus"
+    assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
+    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.0 and cfg.optim.table_lr_scale == 0.0
 
 
 def test_params_yaml_equals_fresh_composition() -> None:
@@ -44,7 +44,7 @@ def test_conf_spells_out_every_schema_key() -> None:
 @pytest.mark.parametrize(("group", "schema"), [("optim", OptimConfig), ("train", TrainConfig)])
 def test_the_schema_defaults_are_the_default_groups(group: str, schema: type) -> None:
     """One default per key: a dataclass default is what the default group of conf/config.yaml sets (a
-    recipe or preset may then set its own value, e.g. recipe=subclone-distill's train.steps=450)."""
+    recipe or preset may then set its own value, e.g. recipe=subclone's train.steps=720)."""
     defaults = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["defaults"]
     (choice,) = [d[group] for d in defaults if isinstance(d, dict) and group in d]
     spelled = yaml.safe_load((ROOT / "conf" / group / f"{choice}.yaml").read_text())
