@@ -90,6 +90,10 @@ def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[st
     with subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         for line in p.stdout:
             tail = (tail + [line])[-40:]
+            if "is cached - skipping run" in line:  # restored from DVC's run cache: not a cold stage
+                p.kill()
+                sys.exit(f"{' '.join(args)}: {line.strip()}; a cold run's time needs every stage to run: "
+                         "remove .dvc/cache/runs (DVC's run cache) in this workspace, or use a fresh clone")
             if line.startswith(("Running stage '", "Stage '")) or line.startswith("Ran experiment"):
                 now = time.perf_counter()
                 if current:

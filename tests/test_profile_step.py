@@ -124,3 +124,15 @@ def test_cuda_summary_from_profiler_events(profile_step: ModuleType, monkeypatch
     assert s["top_host"][0]["name"] == "aten::mm"
     out = capsys.readouterr().out
     assert "non-log sync at pipeline/x.py:7 x1" in out and "GPU idle 84.5%" in out
+
+
+def test_every_named_shape_builds_a_model_with_a_rope_base() -> None:
+    """A config shape of model.arch=donor leaves rope_theta at 0 (the donor's); the benchmark's model must
+    take the donor's base, or its first step is NaN (the default shape's was, before it did)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        shapes = importlib.import_module("gpu_common").named_shapes()
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert shapes["default"].rope_theta == shapes["135m"].rope_theta > 0
+    assert all(shape.config().rope_theta > 0 for shape in shapes.values())
