@@ -114,8 +114,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     earlier = {c: r for f in args.scratch_from for c, r in json.loads(f.read_text())["data"]["results"].items()}
-    defaults = {name: json.loads(Path(f).read_text())["data"]["results"][name]["default"] for name, f in
-                (spec.split("=", 1) for spec in args.default_from)}
+    defaults = {
+        name: json.loads(Path(f).read_text())["data"]["results"][name]["default"]
+        for name, f in (spec.split("=", 1) for spec in args.default_from)
+    }
     load_before = os.getloadavg()[0]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for spec in args.corpora:

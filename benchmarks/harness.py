@@ -92,12 +92,16 @@ def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[st
             tail = (tail + [line])[-40:]
             if "is cached - skipping run" in line:  # restored from DVC's run cache: not a cold stage
                 p.kill()
-                sys.exit(f"{' '.join(args)}: {line.strip()}; a cold run's time needs every stage to run: "
-                         "remove .dvc/cache/runs (DVC's run cache) in this workspace, or use a fresh clone")
+                sys.exit(
+                    f"{' '.join(args)}: {line.strip()}; a cold run's time needs every stage to run: "
+                    "remove .dvc/cache/runs (DVC's run cache) in this workspace, or use a fresh clone"
+                )
             if line.startswith(("train: already at step", "train: resuming at step")):  # train.resume=auto found one
                 p.kill()
-                sys.exit(f"{' '.join(args)}: {line.strip()}; a cold run trains from step 0: "
-                         "remove train.checkpoint_dir (checkpoints/) in this workspace, or use a fresh clone")
+                sys.exit(
+                    f"{' '.join(args)}: {line.strip()}; a cold run trains from step 0: "
+                    "remove train.checkpoint_dir (checkpoints/) in this workspace, or use a fresh clone"
+                )
             if line.startswith(("Running stage '", "Stage '")) or line.startswith("Ran experiment"):
                 now = time.perf_counter()
                 if current:
