@@ -18,7 +18,8 @@ default closes, (scratch - default) / (scratch - donor), and the wall time of ea
 script instead of running it again, where that file has one (valid while the student's shape and the
 from-scratch recipe are the same as then; the files' names are recorded); `--default-from NAME=FILE`
 takes NAME's default run from FILE the same way (while the default config and code are the same).
-A stage DVC restores from its run cache instead of running fails the run: its time is not a cold one.
+A run where DVC restores a stage from its run cache, or train resumes from a checkpoint, fails: its time
+is not a cold one.
 """
 
 from __future__ import annotations

@@ -77,6 +77,14 @@ def exp_run(args: list[str], overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
+# What a stage prints when it does not run cold, and how to make the next run cold.
+NOT_COLD = (
+    ("is cached - skipping run", "remove .dvc/cache/runs (DVC's run cache) in this workspace, or use a fresh clone"),
+    ("train: already at step", "remove train.checkpoint_dir (checkpoints/) in this workspace, or use a fresh clone"),
+    ("train: resuming at step", "remove train.checkpoint_dir (checkpoints/) in this workspace, or use a fresh clone"),
+)
+
+
 def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[str, float]]:
     """`exp_run`, its output read as it comes: the wall seconds and each stage's, from the moment DVC
     says "Running stage" to the next (a stage it skips takes no time)."""
@@ -90,17 +98,11 @@ def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[st
     with subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         for line in p.stdout:
             tail = (tail + [line])[-40:]
-            if "is cached - skipping run" in line:  # restored from DVC's run cache: not a cold stage
+            not_cold = [fix for marker, fix in NOT_COLD if marker in line]
+            if not_cold:
                 p.kill()
                 sys.exit(
-                    f"{' '.join(args)}: {line.strip()}; a cold run's time needs every stage to run: "
-                    "remove .dvc/cache/runs (DVC's run cache) in this workspace, or use a fresh clone"
-                )
-            if line.startswith(("train: already at step", "train: resuming at step")):  # train.resume=auto found one
-                p.kill()
-                sys.exit(
-                    f"{' '.join(args)}: {line.strip()}; a cold run trains from step 0: "
-                    "remove train.checkpoint_dir (checkpoints/) in this workspace, or use a fresh clone"
+                    f"{' '.join(args)}: {line.strip()}; a cold run needs every stage to run from scratch: {not_cold[0]}"
                 )
             if line.startswith(("Running stage '", "Stage '")) or line.startswith("Ran experiment"):
                 now = time.perf_counter()

@@ -126,13 +126,9 @@ def test_cuda_summary_from_profiler_events(profile_step: ModuleType, monkeypatch
     assert "non-log sync at pipeline/x.py:7 x1" in out and "GPU idle 84.5%" in out
 
 
-def test_every_named_shape_builds_a_model_with_a_rope_base() -> None:
+def test_every_named_shape_builds_a_model_with_a_rope_base(profile_step: ModuleType) -> None:
     """A config shape of model.arch=donor leaves rope_theta at 0 (the donor's); the benchmark's model must
     take the donor's base, or its first step is NaN (the default shape's was, before it did)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        shapes = importlib.import_module("gpu_common").named_shapes()
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    shapes = importlib.import_module("gpu_common").named_shapes()  # the fixture put benchmarks/ on the path
     assert shapes["default"].rope_theta == shapes["135m"].rope_theta > 0
     assert all(shape.config().rope_theta > 0 for shape in shapes.values())
