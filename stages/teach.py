@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from pipeline.data.packed import load_meta
 from pipeline.distill.teach import run_teach
-from pipeline.models.devices import pick_device
+from pipeline.models.devices import pick_device, resolve_precision
 from stages._input_records import DONOR_RECORD, read_record
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
@@ -26,7 +26,9 @@ def body(ctx: StageContext) -> dict[str, float]:
     device = pick_device(cfg.train.device)
     progress = cfg.output == "text"
     record = read_record(ctx.paths.inputs)
-    meta, metrics = run_teach(ctx.donor_gguf, record, ctx.paths.packed, ctx.out_dir, cfg.train, device, progress)
+    precision = resolve_precision(cfg.train.precision, device)  # the donor's, for the cache
+    paths = ctx.paths
+    meta, metrics = run_teach(ctx.donor_gguf, record, paths.packed, ctx.out_dir, cfg.train, device, progress, precision)
     if ctx.run is not None:
         ctx.run.set_tags({"teach.mode": meta.mode, "teach.donor_sha256": meta.donor_sha256[:16]})
     ctx.artifact(ctx.out_dir / "meta.json")

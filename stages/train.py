@@ -25,7 +25,7 @@ from pipeline.training.checkpoint import Checkpoint
 from pipeline.training.distributed import is_main_process
 from pipeline.training.loop import Hooks, TrainJob, TrainResult
 from pipeline.training.resume import CheckpointPlan, plan_checkpoints
-from pipeline.training.trainer import TrainInputs, run_train, sized
+from pipeline.training.trainer import TrainInputs, run_train, sized, with_precision
 from stages._lineage import check_init, check_packed, check_teach
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, Stage, StageContext
@@ -62,6 +62,7 @@ def body(ctx: StageContext, plan: CheckpointPlan) -> dict[str, float]:
     hooks = Hooks(log=ctx.log, run_id=ctx.run_id)
     if ctx.run is not None:
         hooks.flush = ctx.run.flush
+        ctx.run.set_tags({"train.precision_ran": cfg.train.precision})  # what train.precision=auto chose here
     result = run_train(inputs, job, hooks)
     if not is_main_process():
         return {}
@@ -198,9 +199,11 @@ def lineage(cfg: PipelineConfig, paths: Paths) -> dict[str, str]:
 
 def prepared(cfg: DictConfig) -> tuple[Stage, CheckpointPlan]:
     """The stage checked and its checkpoint plan made, before its MLflow run opens: `train.epochs` becomes
-    a step count once (the plan and the loop both use it), and a resumed run's MLflow run is known."""
+    a step count once (the plan and the loop both use it), `train.precision=auto` bf16 or fp32 for this
+    machine, and a resumed run's MLflow run is known."""
     stage = Stage("train", cfg, lineage)
     stage.cfg.train = stage.prepare(sized, stage.cfg.train, stage.paths.packed)
+    stage.cfg.train = stage.prepare(with_precision, stage.cfg.train)
     return stage, stage.prepare(checkpoint_plan, stage.cfg, stage.paths)
 
 

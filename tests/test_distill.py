@@ -29,6 +29,7 @@ from pipeline.inference.speculative import draft_acceptance
 from pipeline.init.realize import realize
 from pipeline.io.files import sha256_file
 from pipeline.modeldir import load_model_dir, save_model_dir
+from pipeline.models.devices import resolve_precision
 from pipeline.models.llama_gguf import export_llama
 from pipeline.models.ops.losses import (
     head_targets,
@@ -482,7 +483,7 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
     teach = run_stage("teach", cfg, teach_body)
     assert teach["cached_positions"] == len(load_split(root / "data/packed", "train"))
     assert json.loads((root / "metrics" / "teach.json").read_text())["donor_val_loss"] == teach["donor_val_loss"]
-    assert read_meta(root / "data" / "teach").precision == "bf16"
+    assert read_meta(root / "data" / "teach").precision == resolve_precision("auto", CPU)  # what the donor ran in
     stage, plan = prepared(cfg)
     metrics = stage.run(lambda ctx: train_body(ctx, plan))
     assert metrics["final_train_kd"] > 0 and metrics["final_train_ce"] > 0
@@ -492,6 +493,7 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
     )
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss/train_kd")] == [1, 2, 3, 4]
     assert run.data.tags["lineage.teacher"].startswith("donor.gguf:")
+    assert run.data.tags["train.precision_ran"] == resolve_precision("auto", CPU) == plan.compat["train"]["precision"]
     record = root / "data" / "inputs" / "donor.json"
     other = json.loads(record.read_text())
     other["file"]["sha256"] = "f" * 64

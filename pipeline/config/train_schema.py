@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pipeline.config.checks import at_least, check, choice, integer, positive
 
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32")  # auto: bf16 where the device has bf16 instructions, else fp32
 DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIMIZERS = ("adamw", "lbfgs")
 PARALLEL = ("ddp", "fsdp")
@@ -101,7 +101,7 @@ class TrainConfig:
     batch_size: int = 8
     seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
     grad_accum: int = 1
-    precision: str = "bf16"  # bf16 autocast (default on CPU with AMX) | fp32
+    precision: str = "auto"  # auto | bf16 autocast | fp32 (`models.devices.resolve_precision`)
     eval_every: int = 100
     log_every: int = 10
     max_epochs: float = 4.0  # warn when the steps pass over the train split more often than this (0: never)

@@ -1,7 +1,7 @@
 """Donor calibration for `recipe.init=subclone`: what the donor does on real text, measured once.
 
-The donor runs (bf16 autocast) over a few ten-thousand tokens of the packed train split while hooks
-collect, per token:
+The donor runs (bf16 autocast where the CPU has bf16 instructions) over a few ten-thousand tokens of
+the packed train split while hooks collect, per token:
 
 - the residual stream at every RMSNorm input (before each block's attention and FFN, and the final
   norm), normalised per token as RMSNorm does, so each position's second moment is about direction,
@@ -36,6 +36,7 @@ from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_b
 from pipeline.donor.load import load_llama_donor, student_config
 from pipeline.errors import ConfigError, GGUFError, problem
 from pipeline.io.files import atomic_dir
+from pipeline.models.devices import native_bf16
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig
 
@@ -327,7 +328,7 @@ def run_calibration(
     if settings.head_fit_tokens:  # realize's head fit: fail here, not one stage later
         check_calib_fits(len(train), settings.calib_seq_len, student.context_length, "student", extra=1)
     start = time.perf_counter()
-    calib = calibrate(donor, ids, settings.outlier_factor)
+    calib = calibrate(donor, ids, settings.outlier_factor, bf16=native_bf16(torch.device("cpu")))
     seconds = time.perf_counter() - start
     outliers = int((calib.basis.max(0) > 1 - 1e-6).sum())
     cfg = donor.cfg

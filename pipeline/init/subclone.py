@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pipeline.config import LAYER_RULES
 from pipeline.donor.calibrate import Calibration, check_student
 from pipeline.errors import ConfigError, problem
+from pipeline.models.devices import native_bf16
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import TransformerConfig
 
@@ -232,7 +233,8 @@ def _gain_loss(u: torch.Tensor, y: torch.Tensor, gain: torch.Tensor, head: torch
 
 def fit_gain(model: Llama, ids: torch.Tensor, iters: int) -> tuple[float, float]:
     """Refit `model.norm.weight` by L-BFGS on next-token cross-entropy over the (n, T+1) windows
-    `ids`, with the final states computed once (bf16 head matmul). Returns the loss before and after."""
+    `ids`, with the final states computed once (bf16 head matmul where bf16 runs at speed). Returns the
+    loss before and after."""
     norm = model.norm.weight
     start = norm.detach().float().clone()
     with torch.no_grad():
@@ -243,7 +245,7 @@ def fit_gain(model: Llama, ids: torch.Tensor, iters: int) -> tuple[float, float]
     if model.head_vocab is not None:  # a large vocabulary: the ids in use (`ops.head_rows`)
         rows, _ = model.head_vocab.rows(training=False)
         y, head = model.head_vocab.map(y), head.index_select(0, rows)
-    head = head.bfloat16()
+    head = head.to(torch.bfloat16 if native_bf16(head.device) else torch.float32)
     gain = torch.nn.Parameter(start.clone())
     opt = torch.optim.LBFGS([gain], max_iter=iters, history_size=10, line_search_fn="strong_wolfe")
 

@@ -1,5 +1,5 @@
-"""The device a process runs on, moving a host tensor to the GPU without making the host wait, and the
-dtype matmuls run in now.
+"""The device a process runs on, whether bf16 runs at speed there, moving a host tensor to the GPU
+without making the host wait, and the dtype matmuls run in now.
 
 A blocking host-to-device copy waits for every kernel already queued on the stream; from pinned memory,
 without blocking, the copy is queued like a kernel and the host goes on (torch's caching host allocator
@@ -9,9 +9,14 @@ tables this way, so a CUDA step never waits for the previous one.
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 import torch
 
 from pipeline.errors import ConfigError, problem
+
+log = logging.getLogger(__name__)
 
 
 def pick_device(name: str) -> torch.device:
@@ -24,6 +29,37 @@ def pick_device(name: str) -> torch.device:
             problem("config key train.device", "a device this machine has", f"{name} (unavailable)", "use auto or cpu")
         )
     return torch.device(name)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run at speed on `device`. A CPU needs bf16 instructions (AVX512-BF16, AMX, an
+    Arm core's BF16): on an AVX2-only CPU torch's bf16 matmul takes a slow path, 31x fp32's time for the
+    default model's training step on a 2-core EPYC (docs/training.md, "Precision")."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return any(on is True and "bf16" in name for name, on in caps.items())
+
+
+def resolve_precision(precision: str, device: torch.device, key: str = "train.precision") -> str:
+    """`auto`: bf16 where it runs at speed, else fp32. An explicit bf16 where it does not is kept, and said."""
+    fast = native_bf16(device)
+    if precision == "auto":
+        return "bf16" if fast else "fp32"
+    if precision == "bf16" and not fast:
+        _warn_slow_bf16(key, device.type)
+    return precision
+
+
+@cache
+def _warn_slow_bf16(key: str, kind: str) -> None:
+    """Once per process: the train stage and its loop both resolve the setting."""
+    log.warning(
+        f"{key}=bf16 on a {kind} without bf16 instructions: its matmuls run many times slower than fp32 "
+        f"here; {key}=auto picks fp32 on this machine"
+    )
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

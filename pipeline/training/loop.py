@@ -25,7 +25,7 @@ from pipeline.config import OptimConfig, TrainConfig
 from pipeline.data.packed import Images, Packed, is_images, is_rows
 from pipeline.data.teacher_cache import TeacherCache
 from pipeline.errors import NonFiniteError
-from pipeline.models.devices import to_device
+from pipeline.models.devices import resolve_precision, to_device
 from pipeline.models.ops.head_rows import whole_vocabulary
 from pipeline.models.ops.losses import IGNORE_INDEX
 from pipeline.progress import Progress
@@ -166,6 +166,7 @@ class _Run:
         self.tcfg, self.optim, self.hooks, self.plan, self.val_data = tcfg, optim, hooks, plan, val_data
         self.bits_per_token = bits  # val loss (nats/token) -> bits per byte
         self.device = prepare_model(model, tcfg, optim, seed, plan)  # the token table frozen here, once
+        self.tcfg = tcfg = replace(tcfg, precision=resolve_precision(tcfg.precision, self.device))
         speed_switches(model, tcfg, self.device)
         donor = teacher if isinstance(teacher, nn.Module) and tcfg.distill.enabled else None
         self.session = Session(model, tcfg, optim, self.device, donor)

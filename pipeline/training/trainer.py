@@ -21,6 +21,7 @@ from pipeline.finetune.model import prepare_training
 from pipeline.gguf.imatrix_format import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
+from pipeline.models.devices import pick_device, resolve_precision
 from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab, whole_vocabulary
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
@@ -40,6 +41,17 @@ def sized(tcfg: TrainConfig, packed_dir: Path) -> TrainConfig:
     return replace(tcfg, steps=steps)
 
 
+def with_precision(tcfg: TrainConfig) -> TrainConfig:
+    """`train.precision=auto` made bf16 or fp32 for this machine's device, so that the checkpoints' key,
+    the loop and the teacher agree on what ran."""
+    device = pick_device(tcfg.device)
+    ran = resolve_precision(tcfg.precision, device)
+    if tcfg.precision == "auto":
+        why = "" if ran == "bf16" else " (no bf16 instructions)"
+        log.info(f"train: precision auto = {ran} on this {device.type}{why}")
+    return replace(tcfg, precision=ran)
+
+
 @dataclass
 class TrainInputs:
     """Where one execution of the train stage reads and writes (its settings are the loop's `TrainJob`)."""
@@ -54,7 +66,8 @@ class TrainInputs:
 
 def run_train(inputs: TrainInputs, job: TrainJob, hooks: Hooks | None = None) -> TrainResult:
     """Train the model of `inputs.init_dir` on `inputs.packed_dir` as `job` says; write the trained model directory."""
-    tcfg = job.train
+    tcfg = with_precision(job.train)
+    job = replace(job, train=tcfg)
     meta = load_meta(inputs.packed_dir)
     model, vocab = load_for_training(inputs.init_dir, meta, tcfg)
     imx = use_for_qat(model, inputs.imatrix) if inputs.imatrix is not None and tcfg.qat else None
