@@ -28,7 +28,7 @@ TINY_TRAIN = """steps: 6
 batch_size: 4
 seq_len: 32
 grad_accum: 1
-precision: bf16
+precision: auto
 eval_every: 3
 log_every: 1
 device: cpu
