@@ -35,8 +35,11 @@ def native_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls run at speed on `device`. A CPU needs bf16 instructions (AVX512-BF16, AMX, an
     Arm core's BF16): on an AVX2-only CPU torch's bf16 matmul takes a slow path, 31x fp32's time for the
     default model's training step on a 2-core EPYC (docs/training.md, "Precision")."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # emulated bf16 (before sm80) is no faster than fp32
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch before 2.3 counts only the real thing
+            return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return True
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
