@@ -175,7 +175,8 @@ def run_loop(args: argparse.Namespace, shape: Shape, window: Window) -> loop.Tra
 
     with mock.patch.object(loop, "lr_at", lr_at):
         try:
-            job = loop.TrainJob(tcfg, OptimConfig(), 0, progress=False)
+            optim = OptimConfig(table_lr_scale=0.0 if args.frozen_table else 1.0)
+            job = loop.TrainJob(tcfg, optim, 0, progress=False)
             result = loop.train(model, data, data[: shape.seq + 1], job, hooks=loop.Hooks())
         finally:
             window.close()
@@ -371,6 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true", help="train.cuda_graph=true (each step one CUDA graph)")
     p.add_argument("--plain", action="store_true", help="train.fused_kernels=false (no Triton kernels)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--frozen-table", action="store_true", help="optim.table_lr_scale=0, as the default recipe trains")
     p.add_argument("--steps", type=int, default=5, help="timed steps, then as many profiled")
     p.add_argument("--warmup", type=int, default=3, help="steps first (at least 1: compilation, the first log)")
     p.add_argument("--top", type=int, default=15, help="rows of the top table")

@@ -39,7 +39,10 @@ from pipeline.models.ops import fused_ce
 
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
-CHUNK_BYTES = 16 * 2**20  # ... and at most this many bytes of logits (bf16 at a 49k vocabulary: 170 rows)
+# ... and at most this many logits (256 rows at a 49k vocabulary, 48 MB fp32, 24 MB bf16): in fp32 a 16 MB chunk
+# (85 rows) ran the head's matmuls at ~100 GFLOPS against ~150 at 256 rows, and the default's step 1.2x slower
+# (benchmarks/results/loss_chunk_avx2_2026-11-29.md); LoRA's peak memory is why it is not larger
+CHUNK_LOGITS = 256 * 49152
 NLL_CHUNK_BYTES = 64 * 2**20  # validation's fp32 logits (and as much for their log-softmax): 341 rows at 49k
 BLOCK = 64  # rows per softmax block: 64 x 49152 fp32 = 12 MB, in the L3 cache
 _TINY = torch.finfo(torch.float32).tiny
@@ -51,15 +54,15 @@ class ChunkSizes:
     stay in its cache; a GPU wants few, large kernels (every chunk and block is a Python loop
     iteration of ~10 kernel launches, and 64-row blocks left an H100 waiting on the host)."""
 
-    logit_bytes: int  # a chunk's logits, in the matmul dtype
+    logits: int  # a chunk's logits at most (elements)
     max_rows: int  # rows per chunk at most
     block: int  # rows per fp32 softmax block; 0: the whole chunk at once
     nll_bytes: int  # validation's fp32 logits per chunk (`linear_nll`)
-    distill_rows: int  # the distillation loss's rows per chunk; 0: as many as logit_bytes hold
+    distill_rows: int  # the distillation loss's rows per chunk; 0: as many as `logits` allows
 
 
-CPU_SIZES = ChunkSizes(CHUNK_BYTES, DEFAULT_CHUNK, BLOCK, NLL_CHUNK_BYTES, DEFAULT_CHUNK)
-ACCELERATOR_SIZES = ChunkSizes(256 * 2**20, 8192, 0, 512 * 2**20, 0)  # 2730 rows at 49k: 256 MB bf16 + 512 MB fp32
+CPU_SIZES = ChunkSizes(CHUNK_LOGITS, DEFAULT_CHUNK, BLOCK, NLL_CHUNK_BYTES, DEFAULT_CHUNK)
+ACCELERATOR_SIZES = ChunkSizes(128 * 2**20, 8192, 0, 512 * 2**20, 0)  # 2730 rows at 49k: 256 MB bf16 + 512 MB fp32
 
 
 def chunk_sizes(device: torch.device) -> ChunkSizes:
@@ -159,13 +162,14 @@ def linear_cross_entropy(
     """
     dtype = matmul_dtype(h.device.type, torch.float32)
     sizes = chunk_sizes(h.device)
-    chunk = chunk or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
+    chunk = chunk or _rows_within(sizes.logits, w.shape[0], sizes.max_rows)
     return _ChunkedLinearCrossEntropy.apply(h, w, targets, chunk, dtype, sizes.block, bias)
 
 
-def _rows_within(budget: int, row_bytes: int, most: int = DEFAULT_CHUNK) -> int:
-    """Rows of logits a chunk holds: as many as `budget` bytes take, between BLOCK and `most`."""
-    return max(BLOCK, min(most, budget // row_bytes))
+def _rows_within(budget: int, row: int, most: int = DEFAULT_CHUNK) -> int:
+    """Rows a chunk holds: as many as `budget` takes at `row` per row (elements or bytes alike), between
+    BLOCK and `most`."""
+    return max(BLOCK, min(most, budget // row))
 
 
 @torch.no_grad()
@@ -330,7 +334,7 @@ def linear_distill_loss(
     """
     dtype = matmul_dtype(h.device.type, torch.float32)
     sizes = chunk_sizes(h.device)
-    chunk = chunk or sizes.distill_rows or _rows_within(sizes.logit_bytes, w.shape[0] * dtype.itemsize, sizes.max_rows)
+    chunk = chunk or sizes.distill_rows or _rows_within(sizes.logits, w.shape[0], sizes.max_rows)
     k = teacher[0].shape[-1]
     ids, logp, tail = teacher[0].reshape(-1, k), teacher[1].reshape(-1, k), teacher[2].reshape(-1)
     with torch.autocast(device_type=h.device.type, enabled=False):
