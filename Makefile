@@ -29,7 +29,7 @@ repro: setup
 
 test: setup
 	$(VENV)/bin/ruff check pipeline stages tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check pipeline stages tests
