@@ -6,7 +6,13 @@ one and reopens the MLflow run it was logging to. Under torchrun every rank runs
 alone tracks and writes.
 """
 
+# ruff: noqa: E402  (the imports follow the allocator restart, which must come before torch loads)
 from __future__ import annotations
+
+from stages._run.malloc import reexec_with_fast_malloc
+
+if __name__ == "__main__":  # after torch's imports the restart repeated them (~4.5 s)
+    reexec_with_fast_malloc()
 
 import logging
 import math
@@ -215,4 +221,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    entry(main, fast_malloc=True)
+    entry(main)

@@ -12,7 +12,6 @@ from typing import Any, NoReturn
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
 from pipeline.errors import PipelineError, UnknownKeyError
-from stages._run.malloc import reexec_with_fast_malloc
 from stages._run.overrides import SWEEP_DIR, forget_refused_sweep, forget_unknown_key
 
 
@@ -33,13 +32,10 @@ def config_failed(e: PipelineError) -> NoReturn:
     refuse(str(e) + (forget_unknown_key(e.key) if isinstance(e, UnknownKeyError) else ""))
 
 
-def entry(main: Callable[[], Any], fast_malloc: bool = False) -> None:
+def entry(main: Callable[[], Any]) -> None:
     """Run a `@hydra.main` function so that Hydra's own refusals (an unknown key, an unknown group
     option, override syntax) end like ours: one `error:` line and exit 2, not Hydra's multi-line
-    report and exit 1. Bugs still raise with their traceback. `fast_malloc`: first restart under
-    tcmalloc where the machine has it (`stages._run.malloc`)."""
-    if fast_malloc:
-        reexec_with_fast_malloc()
+    report and exit 1. Bugs still raise with their traceback."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra re-raises instead of printing and exiting 1
     sys.argv[1:] = sweep_dir_args([quoted_non_ascii(a) for a in sys.argv[1:]])
     try:

@@ -40,7 +40,7 @@ from pipeline.models.ops import fused_ce
 IGNORE_INDEX = -100  # a target that takes no loss (prompt tokens, padding), as F.cross_entropy's default
 DEFAULT_CHUNK = 1024  # rows per matmul
 # ... and at most this many logits (256 rows at a 49k vocabulary, 48 MB fp32, 24 MB bf16): in fp32 a 16 MB chunk
-# (85 rows) ran the head's matmuls at ~100 GFLOPS against ~150 at 256 rows, and the default's step 1.2x slower
+# (85 rows) ran the head's matmuls at ~100 GFLOPS against ~150 at 256 rows, and the default's step 1.16x slower
 # (benchmarks/results/loss_chunk_avx2_2026-11-29.md); LoRA's peak memory is why it is not larger
 CHUNK_LOGITS = 256 * 49152
 NLL_CHUNK_BYTES = 64 * 2**20  # validation's fp32 logits (and as much for their log-softmax): 341 rows at 49k
