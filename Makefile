@@ -44,7 +44,7 @@ llamacpp: setup
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 		$(PY) -m pip install --quiet "$(LLAMACPP)"
 
-# CPU training runs under tcmalloc where the dynamic loader finds it (stages/_run/malloc.py; the measured
+# CPU training runs under tcmalloc where the dynamic loader finds it (stages/_malloc.py; the measured
 # figures name their allocator). Set-up installs Debian's libtcmalloc-minimal4 where it can (as root, with
 # apt-get) and says so where it cannot; never fatal: without it the train stage uses glibc's malloc.
 tcmalloc:

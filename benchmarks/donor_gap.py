@@ -32,6 +32,8 @@ from pathlib import Path
 
 from harness import read_metrics, timed_exp_run, write_results
 
+from stages._malloc import malloc_env
+
 RUNS: dict[str, tuple[str, ...]] = {"default": (), "scratch": ("recipe=from-scratch", "optim=adamw")}
 
 
@@ -141,7 +143,7 @@ def main() -> None:
     if args.out:
         reused = {"scratch_from": [str(f) for f in args.scratch_from], "default_from": args.default_from}
         data = {"extra": args.extra, **reused, "results": results}
-        write_results(args.out, figures(results), data, load_before)
+        write_results(args.out, figures(results), data, load_before, child_env=malloc_env())  # train's allocator
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ recipe's), bf16 autocast where the device has bf16 instructions (else fp32), Ada
 - `ours`: recipe=lora's model (`build_finetune(..., "lora")`) and the train loop's pieces
   (`make_optimizer`, `autocast`, `clip_gradients`, `bound_kernel_caches`, `keep_freed_memory`), `Llama.loss` on the rows
   with their segment ids (attention kept inside each packed example); on CPU under the allocator the
-  train stage preloads (`stages._run.malloc`: tcmalloc where installed; transformers keeps glibc's).
+  train stage preloads (`stages._malloc`: tcmalloc where installed; transformers keeps glibc's).
 - `ours-ckpt`: `ours` with `train.activation_checkpointing=true` (each block recomputed in backward).
 - `hf`: `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` (transformers dequantizes the
   same file with gguf-py: the same weights), `peft.get_peft_model`, `model(input_ids,
@@ -190,7 +190,7 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_child(name: str, base: Path, args: argparse.Namespace, data: Path) -> dict:
-    from stages._run.malloc import malloc_env
+    from stages._malloc import malloc_env
 
     cmd = [sys.executable, __file__, "--child", name, "--base", str(base), "--data", str(data)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]

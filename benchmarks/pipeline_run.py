@@ -17,6 +17,8 @@ from pathlib import Path
 
 from harness import read_metrics, timed_exp_run, write_results
 
+from stages._malloc import malloc_env
+
 KEYS = {  # (stage, metric) -> the figure's name
     ("evaluate", "val_loss"): "val_loss",
     ("evaluate", "donor_val_loss"): "donor_val_loss",
@@ -61,7 +63,7 @@ def main() -> None:
     record = {"overrides": args.overrides, "wall_seconds": wall, "stages": stages, "metrics": metrics}
     print(f"{args.name}: {wall:.0f} s; " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items()))
     print(", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-    write_results(args.out, figures(record), record, load)
+    write_results(args.out, figures(record), record, load, child_env=malloc_env())  # train restarts under it
 
 
 if __name__ == "__main__":

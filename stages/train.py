@@ -9,7 +9,7 @@ alone tracks and writes.
 # ruff: noqa: E402  (the imports follow the allocator restart, which must come before torch loads)
 from __future__ import annotations
 
-from stages._run.malloc import reexec_with_fast_malloc
+from stages._malloc import reexec_with_fast_malloc
 
 if __name__ == "__main__":  # after torch's imports the restart repeated them (~4.5 s)
     reexec_with_fast_malloc()

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from stages._run.malloc import SWITCH, fast_malloc, malloc_env
+from stages._malloc import SWITCH, fast_malloc, malloc_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # prints which allocator the process runs under, after asking for the restart
 PROBE = (
-    "from stages._run.malloc import reexec_with_fast_malloc; reexec_with_fast_malloc(); import os, sys; "
+    "from stages._malloc import reexec_with_fast_malloc; reexec_with_fast_malloc(); import os, sys; "
     "maps = open('/proc/self/maps').read(); "
     "print(os.getpid(), 'tcmalloc' in maps or 'jemalloc' in maps, os.environ.get('PIPELINE_MALLOC'), sys.argv[1:])"
 )
