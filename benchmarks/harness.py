@@ -151,10 +151,10 @@ def allocator(env: dict[str, str] | None = None) -> str:
     return "glibc malloc"
 
 
-def commit() -> str:
+def commit(tree: Path = ROOT) -> str:
     """HEAD's short hash, `+dirty` when tracked files differ from it (the figures are then of the work tree)."""
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tree, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=tree, capture_output=True, text=True)
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 

@@ -19,16 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from harness import allocator, write_results
+from harness import allocator, commit, write_results
 
 from stages._malloc import malloc_env
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def tree_commit(tree: Path) -> str:
-    out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tree, capture_output=True, text=True)
-    return out.stdout.strip() or "not a git checkout"
 
 
 def launch_seconds(tree: Path, env: dict[str, str]) -> float:
@@ -68,7 +63,7 @@ def main() -> None:
         figures |= {f"{tag}_restart_s": f"{med['restart']:.2f} s", f"{tag}_no_restart_s": f"{med['no_restart']:.2f} s",
                     f"{tag}_restart_cost_s": f"{med['restart'] - med['no_restart']:.2f} s"}
         print(f"{t}: {med['restart']:.2f} s as a stage starts, {med['no_restart']:.2f} s without the restart")
-    trees_run = {str(t): {"commit": tree_commit(t)} for t in trees}
+    trees_run = {str(t): {"commit": commit(t)} for t in trees}
     write_results(args.out, figures, data, load, trees=trees_run, fast_allocator=allocator(malloc_env()))
 
 

@@ -50,8 +50,8 @@ def test_the_process_restarts_under_the_library_with_its_arguments() -> None:
 
 @pytest.mark.skipif(fast_malloc() is None, reason="no tcmalloc/jemalloc here (apt install libtcmalloc-minimal4)")
 def test_the_train_stage_restarts_before_torch_loads() -> None:
-    """The restart re-runs the interpreter; done after the stage's imports it loaded torch twice (~4.5 s
-    of every train launch on a 2-core CPU)."""
+    """The restart re-runs the interpreter; done after the stage's imports it loaded torch twice (3.18 s
+    of every train launch on a 2-core CPU: benchmarks/results/stage_startup_avx2_2026-11-29.json)."""
     env = {k: v for k, v in os.environ.items() if k not in (SWITCH, "LD_PRELOAD")}
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "stages.train", "--help"],
