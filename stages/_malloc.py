@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
+from pathlib import Path
 
 # in order of preference: tcmalloc_minimal is Debian's libtcmalloc-minimal4 (apt install libtcmalloc-minimal4)
 LIBRARIES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
@@ -47,3 +48,13 @@ def reexec_with_fast_malloc() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
+    """The allocator this process runs under, as its memory map shows: what its speed and memory figures
+    depend on, tagged on the MLflow run so that runs compare like with like."""
+    try:
+        mapped = maps.read_text()
+    except OSError:
+        return "the platform's malloc"
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in mapped), "glibc malloc")

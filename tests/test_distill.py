@@ -49,6 +49,7 @@ from pipeline.training.trainer import load_teacher
 from pipeline.training.validation import scored_windows
 from stages._input_records import donor_record
 from stages._lineage import check_teach
+from stages._malloc import allocator_in_use
 from stages._run.lifecycle import run_stage
 from stages._run.paths import Paths
 from stages._run.typed import typed_config
@@ -494,6 +495,7 @@ def test_teach_and_train_stages_log_the_loss_parts_and_refuse_another_donor(
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss/train_kd")] == [1, 2, 3, 4]
     assert run.data.tags["lineage.teacher"].startswith("donor.gguf:")
     assert run.data.tags["train.precision_ran"] == resolve_precision("auto", CPU) == plan.compat["train"]["precision"]
+    assert run.data.tags["train.allocator"] == allocator_in_use()  # this process's: pytest does not restart
     record = root / "data" / "inputs" / "donor.json"
     other = json.loads(record.read_text())
     other["file"]["sha256"] = "f" * 64
