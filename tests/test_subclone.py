@@ -107,6 +107,15 @@ def test_layer_rules() -> None:
     assert select_layers(influence, 3, "even") == (0, 2, 5)  # round(2.5) is 2: numpy rounds half to even
     assert select_layers(influence, 3, "first") == (0, 1, 2)
     assert select_layers(influence, 3, "first_last") == (0, 1, 5)
+    assert select_layers(influence, 3, "1, 2,4") == (1, 2, 4)  # listed: the influence plays no part
+
+
+@pytest.mark.parametrize(
+    ("listed", "fix"), [("1,2", "list 3 layers, or set model.n_layer=2"), ("1,2,6", "list layers below 6")]
+)
+def test_a_layer_list_that_does_not_fit_names_the_fix(listed: str, fix: str) -> None:
+    with pytest.raises(ConfigError, match=f"config key recipe.subclone.layers: expected 3 donor layer .* fix: {fix}"):
+        select_layers(np.ones(6), 3, listed)
 
 
 def test_heads_keep_their_own_kv_group() -> None:
@@ -264,6 +273,8 @@ def test_realize_without_calibration_names_the_file(tmp_path: Path, donor) -> No
         (dict(calib_seq_len=1), "recipe.subclone.calib_seq_len"),
         (dict(outlier_factor=0.5), "recipe.subclone.outlier_factor"),
         (dict(layers="random"), "recipe.subclone.layers"),
+        (dict(layers="3,1,2"), "recipe.subclone.layers"),  # listed layers ascend
+        (dict(layers="1,,2"), "recipe.subclone.layers"),
         (dict(head_fit_tokens=-1), "recipe.subclone.head_fit_tokens"),
         (dict(head_fit_iters=0), "recipe.subclone.head_fit_iters"),
     ],

@@ -16,6 +16,7 @@ from pipeline.config.model_schema import (
     ModelConfig,
     RecipeConfig,
     SubcloneConfig,
+    explicit_layers,
 )
 from pipeline.config.pipeline_schema import (
     EXPORT_TYPES,
@@ -50,6 +51,7 @@ __all__ = [
     "SOURCES",
     "TEMPLATES",
     "TRAINABLE",
+    "explicit_layers",
     "DataConfig",
     "DistillConfig",
     "DonorConfig",

@@ -11,6 +11,15 @@ from pipeline.models.names import ARCHITECTURES, LLAMA_FAMILY, LORA_TARGETS
 MODEL_ARCHS = ("donor", *ARCHITECTURES)  # donor: the donor GGUF's own architecture and rules
 INITS = ("scratch", "pca", "lens", "subclone", "base")  # base: the GGUF at donor.path itself (fine-tuning)
 LAYER_RULES = ("importance", "even", "first", "first_last")  # which donor layers a subclone keeps
+
+
+def explicit_layers(value: str) -> tuple[int, ...] | None:
+    """`recipe.subclone.layers` as donor layer indexes ('0,1,8,29': ascending, no repeats), else None."""
+    parts = value.replace(" ", "").split(",")
+    if not all(p.isdigit() for p in parts):
+        return None
+    layers = tuple(int(p) for p in parts)
+    return layers if all(a < b for a, b in zip(layers, layers[1:])) else None
 TRAINABLE = ("all", "lora")
 FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
 
@@ -158,7 +167,13 @@ class SubcloneConfig:
             self.outlier_factor,
             "set recipe.subclone.outlier_factor=20",
         )
-        choice(self.layers, "recipe.subclone.layers", LAYER_RULES)
+        check(
+            self.layers in LAYER_RULES or explicit_layers(self.layers) is not None,
+            "recipe.subclone.layers",
+            f"one of {', '.join(LAYER_RULES)}, or ascending donor layer indexes such as '0,1,8,29'",
+            self.layers,
+            "set recipe.subclone.layers=importance, or quote a list: recipe.subclone.layers='0,1,8,29'",
+        )
         integer(self.head_fit_tokens, "recipe.subclone.head_fit_tokens", 0, "set recipe.subclone.head_fit_tokens=1024")
         integer(self.head_fit_iters, "recipe.subclone.head_fit_iters", 1, "set recipe.subclone.head_fit_iters=25")
 

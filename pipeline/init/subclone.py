@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import LAYER_RULES
+from pipeline.config import LAYER_RULES, explicit_layers
 from pipeline.donor.calibrate import Calibration, check_student
 from pipeline.errors import ConfigError, problem
 from pipeline.models.devices import native_bf16
@@ -51,9 +51,17 @@ class Selection:
 
 
 def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
-    """`n` donor layers, ascending: the most influential (ShortGPT), evenly spaced, the first n, or the
-    first n-1 and the last."""
+    """`n` donor layers, ascending: the most influential (ShortGPT), evenly spaced, the first n, the
+    first n-1 and the last, or the ones `rule` lists (e.g. from a search scored by loss)."""
     total = len(influence)
+    listed = explicit_layers(rule)
+    if listed is not None:
+        expected = f"{n} donor layer indexes below {total} (model.n_layer={n}; the donor has {total})"
+        fix = f"list {n} layers, or set model.n_layer={len(listed)}"
+        fix = f"list layers below {total}" if len(listed) == n else fix
+        if len(listed) != n or listed[-1] >= total:
+            raise ConfigError(problem("config key recipe.subclone.layers", expected, rule, fix))
+        return listed
     if rule == "importance":
         picked = np.argsort(-influence, kind="stable")[:n]
     elif rule == "even":
