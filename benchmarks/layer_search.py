@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,13 +22,11 @@ import harness  # noqa: F401 (first: this checkout's library on sys.path)
 import numpy as np
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.data.packed import load_data, load_meta, load_split, window_bos
-from pipeline.donor.calibrate import checked_windows
-from pipeline.donor.load import load_llama_donor, student_config
+from pipeline.config import ModelConfig, RecipeConfig, SubcloneConfig
+from pipeline.data.packed import load_split, window_bos
+from pipeline.donor.load import load_llama_donor
 from pipeline.donor.locate import resolve_gguf_path
-from pipeline.init.realize import STEP0_TOKENS, first_tokens, load_calibration
-from pipeline.init.subclone import fit_gain, subclone
+from pipeline.init.realize import realize_subclone
 from pipeline.models.llama import Llama
 from pipeline.training.validation import evaluate_loss
 
@@ -52,18 +51,17 @@ def greedy_removal(donor: Llama, tokens: np.ndarray, keep: int) -> list[int]:
     return kept
 
 
-def step0_val(donor: Llama, root: Path, donor_path: Path, rule: str, keep: int) -> tuple[tuple[int, ...], float]:
-    """Realize's step-0 figure for the `keep` layers `rule` picks: the cut, its gain fit, the val loss."""
-    calib = load_calibration(donor, root / "data/donor")
+def step0_val(root: Path, donor_path: Path, rule: str, keep: int) -> tuple[list[int], float]:
+    """Realize's own step-0 val loss (the cut, its gain fit) for the `keep` layers `rule` picks."""
     record = json.loads((root / "models/init/realize.json").read_text())
+    recipe = RecipeConfig(name="subclone", init="subclone", subclone=SubcloneConfig(layers=rule))
     mcfg = ModelConfig(**{**record["model"], "n_layer": keep})
-    cfg = student_config(mcfg, load_meta(root / "data/packed").vocab_size, donor_path)
-    model, sel = subclone(donor, calib, cfg, rule)
-    settings = record["subclone"]
-    train = load_split(root / "data/packed", "train")
-    fit_gain(model, checked_windows(train, 1024, 256, cfg.context_length, "student", extra=1), 25)
-    val = first_tokens(load_data(root / "data/packed", "val"), STEP0_TOKENS)
-    return sel.layers, evaluate_loss(model, val, settings["seq_len"], 8, CPU)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "init"
+        seq_len = record["subclone"]["seq_len"]
+        report = realize_subclone(recipe, mcfg, 0, donor_path, root / "data/packed", root / "data/donor", out, seq_len)
+        layers = json.loads((out / "realize.json").read_text())["subclone"]["selection"]["layers"]
+    return layers, report["step0_val_loss"]
 
 
 def main() -> None:
@@ -83,8 +81,8 @@ def main() -> None:
     searched = greedy_removal(donor, tokens, keep)
     listed = ",".join(map(str, searched))
     for rule in ("importance", listed):
-        layers, loss = step0_val(donor, root, donor_path, rule, keep)
-        print(f"{rule if rule == 'importance' else 'searched'}: layers {list(layers)}, step-0 val loss {loss:.4f}")
+        layers, loss = step0_val(root, donor_path, rule, keep)
+        print(f"{rule if rule == 'importance' else 'searched'}: layers {layers}, step-0 val loss {loss:.4f}")
     print(f"train it: dvc exp run -S model.n_layer={keep} -S \"recipe.subclone.layers='{listed}'\"")
 
 

@@ -50,11 +50,11 @@ def reexec_with_fast_malloc() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
+def allocator_in_use() -> str:
     """The allocator this process runs under, as its memory map shows: what its speed and memory figures
     depend on, tagged on the MLflow run so that runs compare like with like."""
     try:
-        mapped = maps.read_text()
+        mapped = Path("/proc/self/maps").read_text()
     except OSError:
         return "the platform's malloc"
     return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in mapped), "glibc malloc")

@@ -11,6 +11,8 @@ from pipeline.models.names import ARCHITECTURES, LLAMA_FAMILY, LORA_TARGETS
 MODEL_ARCHS = ("donor", *ARCHITECTURES)  # donor: the donor GGUF's own architecture and rules
 INITS = ("scratch", "pca", "lens", "subclone", "base")  # base: the GGUF at donor.path itself (fine-tuning)
 LAYER_RULES = ("importance", "even", "first", "first_last")  # which donor layers a subclone keeps
+TRAINABLE = ("all", "lora")
+FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
 
 
 def explicit_layers(value: str) -> tuple[int, ...] | None:
@@ -20,8 +22,6 @@ def explicit_layers(value: str) -> tuple[int, ...] | None:
         return None
     layers = tuple(int(p) for p in parts)
     return layers if all(a < b for a, b in zip(layers, layers[1:])) else None
-TRAINABLE = ("all", "lora")
-FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
 
 
 @dataclass

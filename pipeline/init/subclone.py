@@ -56,10 +56,10 @@ def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
     total = len(influence)
     listed = explicit_layers(rule)
     if listed is not None:
-        expected = f"{n} donor layer indexes below {total} (model.n_layer={n}; the donor has {total})"
-        fix = f"list {n} layers, or set model.n_layer={len(listed)}"
-        fix = f"list layers below {total}" if len(listed) == n else fix
         if len(listed) != n or listed[-1] >= total:
+            expected = f"{n} donor layer indexes below {total} (model.n_layer={n}; the donor has {total})"
+            short = len(listed) != n
+            fix = f"list {n} layers, or set model.n_layer={len(listed)}" if short else f"list layers below {total}"
             raise ConfigError(problem("config key recipe.subclone.layers", expected, rule, fix))
         return listed
     if rule == "importance":
