@@ -1,5 +1,6 @@
 """Where a student's loss gap to its donor sits: per-token loss of both on the val split, by token
-frequency in the train split and by position in the window.
+frequency in the train split, by position in the window, and by whether the target already occurs
+earlier in the window (what copying from context, the donor's induction heads, can predict).
 
     python benchmarks/gap_anatomy.py [--model models/train] [--packed data/packed] [--donor smollm2]
 
@@ -78,7 +79,24 @@ def main() -> None:
     }
     by_pos = {"position 0-7": pos < 8, "8-31": (pos >= 8) & (pos < 32), "32-127": pos >= 32}
     print("\n".join(buckets("target token", by_freq, student, donor)) + "\n")
-    print("\n".join(buckets("position", by_pos, student, donor)))
+    print("\n".join(buckets("position", by_pos, student, donor)) + "\n")
+    seen = earlier_in_window(np.asarray(val[: n + 1], dtype=np.int64), args.seq_len)
+    by_copy = {"target seen earlier in the window (copyable)": seen, "not seen earlier": ~seen}
+    print("\n".join(buckets("copying", by_copy, student, donor)))
+
+
+def earlier_in_window(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """(windows, seq_len): whether each position's target already occurs among its window's inputs up to
+    it, i.e. whether copying from the context could predict it (what induction heads do)."""
+    n = (len(tokens) - 1) // seq_len
+    x, y = tokens[: n * seq_len].reshape(n, seq_len), tokens[1 : n * seq_len + 1].reshape(n, seq_len)
+    out = np.zeros((n, seq_len), dtype=bool)
+    for w in range(n):
+        first: dict[int, int] = {}
+        for i, t in enumerate(x[w]):
+            first.setdefault(int(t), i)
+        out[w] = [first.get(int(t), seq_len) <= i for i, t in enumerate(y[w])]
+    return out
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_outlier_coordinates_stay_axes(donor) -> None:
 )
 def test_smaller_students_have_their_shapes_and_a_finite_loss(donor, shape: dict) -> None:
     model, calib, _ = donor
-    for rule in ("importance", "even", "first", "first_last"):
+    for rule in ("circuit", "importance", "even", "first", "first_last"):
         student, sel = subclone(model, calib, student_cfg(model, **shape), rule)
         for name, p in Llama(student.cfg).named_parameters():
             assert student.get_parameter(name).shape == p.shape, name
@@ -108,6 +108,9 @@ def test_layer_rules() -> None:
     assert select_layers(influence, 3, "first") == (0, 1, 2)
     assert select_layers(influence, 3, "first_last") == (0, 1, 5)
     assert select_layers(influence, 3, "1, 2,4") == (1, 2, 4)  # listed: the influence plays no part
+    assert select_layers(influence, 3, "circuit", (2, 4)) == (0, 2, 4), "the circuit in place of the least influential"
+    assert select_layers(influence, 3, "circuit", (2,), copying=(3,)) == (0, 2, 3), "a layer with a copy head stays"
+    assert select_layers(influence, 3, "importance", (2, 4)) == (0, 3, 5), "only the circuit rule keeps it"
 
 
 @pytest.mark.parametrize(
@@ -123,6 +126,8 @@ def test_heads_keep_their_own_kv_group() -> None:
     assert select_heads(energy, 3, 6, 2) == ((0, 1, 2, 3, 4, 5), (0, 1)), "the two strongest whole groups"
     q, kv = select_heads(energy, 3, 3, 3)  # one query head per kv head: the 3 strongest heads, any group
     assert q == (1, 4, 5) and kv == (0, 1, 1)
+    assert select_heads(energy, 3, 6, 2, keep=7) == ((0, 1, 2, 6, 7, 8), (0, 2)), "the copy head's group first"
+    assert select_heads(energy, 3, 3, 3, keep=6) == ((1, 4, 6), (0, 1, 2))
 
 
 def packed_dir(root: Path, train: int = 4000, val: int = 600) -> Path:

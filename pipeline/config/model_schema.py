@@ -10,7 +10,7 @@ from pipeline.models.names import ARCHITECTURES, LLAMA_FAMILY, LORA_TARGETS
 
 MODEL_ARCHS = ("donor", *ARCHITECTURES)  # donor: the donor GGUF's own architecture and rules
 INITS = ("scratch", "pca", "lens", "subclone", "base")  # base: the GGUF at donor.path itself (fine-tuning)
-LAYER_RULES = ("importance", "even", "first", "first_last")  # which donor layers a subclone keeps
+LAYER_RULES = ("circuit", "importance", "even", "first", "first_last")  # which donor layers a subclone keeps
 TRAINABLE = ("all", "lora")
 FINETUNE_MODES = ("lora", "qlora", "full")  # how a fine-tune loads its base: see RecipeConfig.mode
 
@@ -138,8 +138,9 @@ class SubcloneConfig:
 
     `calib_tokens` tokens of the packed train split, in windows of `calib_seq_len`, measure the
     donor (~1000 tok/s on 2 CPU cores). A residual coordinate with more than `outlier_factor`/d of
-    the energy stays an axis of its own instead of being rotated. `layers`: importance (the
-    highest block influence), even (evenly spaced), first, first_last (the first n-1 and the last).
+    the energy stays an axis of its own instead of being rotated. `layers`: importance (the highest
+    block influence), circuit (those, the donor's copy circuit in, `pipeline.donor.circuits`), even
+    (evenly spaced), first, first_last (the first n-1 and the last), or a list of donor layers.
     Realize then refits the final-norm gain on the student's own final states (`head_fit_tokens`
     train tokens, `head_fit_iters` L-BFGS iterations; 0 tokens skips it): with fewer layers the
     student's states are not the donor's, so the closed-form gain misjudges the logits' scale.

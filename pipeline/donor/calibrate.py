@@ -14,7 +14,8 @@ the packed train split while hooks collect, per token:
 - the block influence of each layer (ShortGPT: 1 - cos(block input, block output));
 - the energy each attention head writes into the residual stream (through its `wo` columns);
 - the RMS activation of each FFN neuron (the input of `ffn.down`);
-- the second moment of the final norm's normalised output, to fit a tied head's norm weight.
+- the second moment of the final norm's normalised output, to fit a tied head's norm weight;
+- each head's share of attention on the previous token and on an induction target (`circuits`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from safetensors.numpy import load_file, save_file
 from pipeline.config import ModelConfig, SubcloneConfig
 from pipeline.config.checks import check
 from pipeline.data.packed import begin_with_bos, load_meta, load_split, window_bos
+from pipeline.donor.circuits import copy_scores
 from pipeline.donor.load import load_llama_donor, student_config
-from pipeline.errors import ConfigError, GGUFError, problem
+from pipeline.errors import ConfigError, DataError, GGUFError, problem
 from pipeline.io.files import atomic_dir
 from pipeline.models.devices import native_bf16
 from pipeline.models.llama import Llama
@@ -56,6 +58,8 @@ class Calibration:
     neuron_rms: np.ndarray  # (L, F) sqrt(E[act^2]) of each FFN neuron (input of ffn.down)
     tokens: np.ndarray  # (1,) how many tokens were measured
     post_energy: np.ndarray  # (2L, D) post norms' inputs (Gemma 3): energy fraction per basis direction; (0, D) if none
+    head_induction: np.ndarray  # (L, H) attention share on the induction target of a repeated sequence (`circuits`)
+    head_previous: np.ndarray  # (L, H) attention share on the previous token
 
     def save(self, path: str) -> None:
         save_file({f.name: np.ascontiguousarray(getattr(self, f.name), np.float32) for f in fields(self)}, path)
@@ -63,6 +67,10 @@ class Calibration:
     @classmethod
     def load(cls, path: str) -> Calibration:
         t = load_file(path)
+        missing = [f.name for f in fields(cls) if f.name not in t]
+        if missing:
+            expected = "a donor calibration with every statistic"
+            raise DataError(problem(path, expected, f"no {', '.join(missing)}", "re-run the donor stage"))
         return cls(**{f.name: t[f.name] for f in fields(cls)})
 
     def kept_fraction(self, k: int) -> float:
@@ -185,7 +193,7 @@ def calibrate(
     finally:
         for h in handles:
             h.remove()
-    return _reduce(stats, outlier_factor)
+    return _reduce(stats, outlier_factor, copy_scores(model, ids))
 
 
 def residual_basis(moment: torch.Tensor, outlier_factor: float) -> torch.Tensor:
@@ -218,7 +226,7 @@ def channel_basis(moment: torch.Tensor) -> torch.Tensor:
     return basis
 
 
-def _reduce(stats: _Stats, outlier_factor: float) -> Calibration:
+def _reduce(stats: _Stats, outlier_factor: float, copying: tuple[np.ndarray, np.ndarray]) -> Calibration:
     """Means over tokens, the residual basis of the mean position moment, each position's energy along it."""
     n = float(stats.tokens)
     moments = stats.moments / n  # each (D, D) with trace ~D: positions count equally
@@ -238,6 +246,8 @@ def _reduce(stats: _Stats, outlier_factor: float) -> Calibration:
         neuron_rms=(stats.neurons / n).sqrt().float().numpy(),
         tokens=np.array([n], dtype=np.float32),
         post_energy=((stats.post / n) @ basis.abs() / stats.model.cfg.d_model).float().numpy(),
+        head_induction=copying[0],
+        head_previous=copying[1],
     )
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from pipeline.config import LAYER_RULES, explicit_layers
 from pipeline.donor.calibrate import Calibration, check_student
+from pipeline.donor.circuits import circuit_layers, copy_head
 from pipeline.errors import ConfigError, problem
 from pipeline.models.devices import native_bf16
 from pipeline.models.llama import Llama
@@ -50,9 +51,13 @@ class Selection:
     neurons: tuple[tuple[int, ...], ...]  # donor FFN neurons, ascending
 
 
-def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
-    """`n` donor layers, ascending: the most influential (ShortGPT), evenly spaced, the first n, the
-    first n-1 and the last, or the ones `rule` lists (e.g. from a search scored by loss)."""
+def select_layers(
+    influence: np.ndarray, n: int, rule: str, circuit: tuple[int, ...] = (), copying: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """`n` donor layers, ascending: the most influential (ShortGPT); those with the copy `circuit`'s layers
+    in place of the least influential that hold no copy head (`circuit`: `copying` lists the layers that
+    hold one); evenly spaced, the first n, the first n-1 and the last; or the ones `rule` lists (e.g. from
+    a search scored by loss)."""
     total = len(influence)
     listed = explicit_layers(rule)
     if listed is not None:
@@ -62,8 +67,12 @@ def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
             fix = f"list {n} layers, or set model.n_layer={len(listed)}" if short else f"list layers below {total}"
             raise ConfigError(problem("config key recipe.subclone.layers", expected, rule, fix))
         return listed
-    if rule == "importance":
-        picked = np.argsort(-influence, kind="stable")[:n]
+    if rule in ("importance", "circuit"):
+        picked = [int(i) for i in np.argsort(-influence, kind="stable")[:n]]
+        missing = [c for c in circuit if c not in picked] if rule == "circuit" else []
+        spare = [i for i in reversed(picked) if i not in circuit and i not in copying]  # least influential first
+        for add, drop in zip(missing, spare):
+            picked[picked.index(drop)] = add
     elif rule == "even":
         picked = np.round(np.linspace(0, total - 1, n)).astype(int)
     elif rule == "first":
@@ -75,30 +84,40 @@ def select_layers(influence: np.ndarray, n: int, rule: str) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in picked))
 
 
-def select_heads(energy: np.ndarray, donor_kv: int, n_head: int, n_kv: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def select_heads(
+    energy: np.ndarray, donor_kv: int, n_head: int, n_kv: int, keep: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Student kv heads as copies of donor kv heads, each with `n_head / n_kv` of that group's query heads.
 
     A donor group of r query heads offers floor(r / s) candidate groups of s heads (its best heads
-    first); the n_kv candidates whose heads write the most energy win. Every query head keeps its
-    own keys and values, so attention is exact for the kept heads. Returns (q heads, kv heads).
+    first); the candidate holding head `keep` (a copy head of the circuit) wins first, then the ones
+    whose heads write the most energy. Every query head keeps its own keys and values, so attention
+    is exact for the kept heads. Returns (q heads, kv heads).
     """
     r, s = len(energy) // donor_kv, n_head // n_kv
-    candidates: list[tuple[float, int, tuple[int, ...]]] = []
+    candidates: list[tuple[bool, float, int, tuple[int, ...]]] = []
     for g in range(donor_kv):
-        heads = sorted(range(g * r, (g + 1) * r), key=lambda h: -energy[h])
+        first = [keep] if keep is not None and keep // r == g else []
+        heads = first + sorted((h for h in range(g * r, (g + 1) * r) if h not in first), key=lambda h: -energy[h])
         for c in range(r // s):
             chunk = tuple(sorted(heads[c * s : (c + 1) * s]))
-            candidates.append((float(energy[list(chunk)].sum()), g, chunk))
-    best = sorted(sorted(candidates, key=lambda c: -c[0])[:n_kv], key=lambda c: c[2])
-    return tuple(h for c in best for h in c[2]), tuple(c[1] for c in best)
+            candidates.append((keep in chunk, float(energy[list(chunk)].sum()), g, chunk))
+    best = sorted(sorted(candidates, key=lambda c: (not c[0], -c[1]))[:n_kv], key=lambda c: c[3])
+    return tuple(h for c in best for h in c[3]), tuple(c[2] for c in best)
 
 
 def select(calib: Calibration, donor: Llama, cfg: TransformerConfig, rule: str) -> Selection:
-    """Layers by `rule`, heads by written energy, neurons by RMS activation x |down column|."""
-    layers = select_layers(calib.layer_influence, cfg.n_layer, rule)
+    """Layers by `rule`, heads by written energy (`circuit`: each layer's copy head first), neurons by RMS
+    activation x |down column|."""
+    heads = [copy_head(i, p) for i, p in zip(calib.head_induction, calib.head_previous)]
+    copying = rule == "circuit"
+    circuit = circuit_layers(calib.head_induction, calib.head_previous, cfg.n_layer) if copying else ()
+    holders = tuple(i for i, h in enumerate(heads) if h is not None)
+    layers = select_layers(calib.layer_influence, cfg.n_layer, rule, circuit, holders)
     q_heads, kv_heads, neurons = [], [], []
     for layer in layers:
-        q, kv = select_heads(calib.head_energy[layer], donor.cfg.n_kv_head, cfg.n_head, cfg.n_kv_head)
+        keep = heads[layer] if copying else None
+        q, kv = select_heads(calib.head_energy[layer], donor.cfg.n_kv_head, cfg.n_head, cfg.n_kv_head, keep)
         q_heads.append(q)
         kv_heads.append(kv)
         down = donor.blocks[layer].ffn.down.weight.detach().float().norm(dim=0).numpy()

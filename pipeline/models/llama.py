@@ -66,6 +66,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`rows`: x (1, N, d) holds the real tokens of packed rows, each example attends to itself only."""
         b, t, _ = x.shape
+        y = attend(*self.project(x, rope), cache, layer, rows, self.window)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, H, T, D) queries and (B, H_kv, T, D) keys and values of `x`, RoPE applied: what `attend`
+        reads, and what the donor's circuit probe (`pipeline.donor.circuits`) scores."""
+        b, t, _ = x.shape
         hd = self.cfg.head_dim
         q = self.wq(x).view(b, t, self.cfg.n_head, hd).transpose(1, 2)
         k = self.wk(x).view(b, t, self.cfg.n_kv_head, hd).transpose(1, 2)
@@ -75,8 +82,7 @@ class Attention(nn.Module):
         cos, sin = rope[2 if self.local else 0], rope[3 if self.local else 1]
         q = elementwise.rope(q, cos, sin, self.fused, self.halves)
         k = elementwise.rope(k, cos, sin, self.fused, self.halves)
-        y = attend(q, k, v, cache, layer, rows, self.window)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return q, k, v
 
 
 class FeedForward(nn.Module):
