@@ -4,6 +4,7 @@ where they are (layers 17-18, fed by the previous-token head of layer 16) and ke
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pipeline.donor.circuits import (
@@ -76,3 +77,20 @@ def test_smollm2s_copy_circuit(smollm2_path) -> None:
     assert induction[17].max() > 0.6 and induction[18].max() > 0.6 and induction[:16].max() < 0.2
     assert previous[16].max() > 0.8
     assert circuit_layers(induction, previous, 12)[:3] == (16, 17, 18)
+
+
+def test_a_calibration_without_the_copy_scores_names_the_fix(tmp_path) -> None:
+    """A calibration file from before the copy scores existed is refused in one line, not a KeyError."""
+    from safetensors.numpy import load_file, save_file
+
+    from pipeline.donor.calibrate import Calibration, calibrate
+    from pipeline.errors import DataError
+
+    calib = calibrate(tiny(), torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)), bf16=False)
+    assert calib.head_induction.shape == calib.head_previous.shape == (2, 4)
+    path = tmp_path / "calibration.safetensors"
+    calib.save(str(path))
+    old = {k: v for k, v in load_file(str(path)).items() if not k.startswith("head_induction")}
+    save_file(old, str(path))
+    with pytest.raises(DataError, match="calibration.safetensors: expected a donor calibration .* no head_induction"):
+        Calibration.load(str(path))
