@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
+from pipeline.donor.calibrate import Calibration, calibrate
 from pipeline.donor.circuits import (
     COPY_MIN,
     attention_maps,
@@ -15,6 +17,7 @@ from pipeline.donor.circuits import (
     copy_scores,
     probe_sequences,
 )
+from pipeline.errors import DataError
 from pipeline.models.llama import Llama
 from pipeline.models.llama_gguf import load_llama
 from pipeline.models.transformer import TransformerConfig, init_weights
@@ -81,11 +84,6 @@ def test_smollm2s_copy_circuit(smollm2_path) -> None:
 
 def test_a_calibration_without_the_copy_scores_names_the_fix(tmp_path) -> None:
     """A calibration file from before the copy scores existed is refused in one line, not a KeyError."""
-    from safetensors.numpy import load_file, save_file
-
-    from pipeline.donor.calibrate import Calibration, calibrate
-    from pipeline.errors import DataError
-
     calib = calibrate(tiny(), torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)), bf16=False)
     assert calib.head_induction.shape == calib.head_previous.shape == (2, 4)
     path = tmp_path / "calibration.safetensors"
