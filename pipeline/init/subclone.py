@@ -109,14 +109,16 @@ def select_heads(
 def select(calib: Calibration, donor: Llama, cfg: TransformerConfig, rule: str) -> Selection:
     """Layers by `rule`, heads by written energy (`circuit`: each layer's copy head first), neurons by RMS
     activation x |down column|."""
-    heads = [copy_head(i, p) for i, p in zip(calib.head_induction, calib.head_previous)]
-    copying = rule == "circuit"
-    circuit = circuit_layers(calib.head_induction, calib.head_previous, cfg.n_layer) if copying else ()
+    heads: list[int | None] = [None] * len(calib.layer_influence)  # each layer's copy head (`circuit` only)
+    circuit: tuple[int, ...] = ()
+    if rule == "circuit":
+        heads = [copy_head(i, p) for i, p in zip(calib.head_induction, calib.head_previous)]
+        circuit = circuit_layers(calib.head_induction, calib.head_previous, cfg.n_layer)
     holders = tuple(i for i, h in enumerate(heads) if h is not None)
     layers = select_layers(calib.layer_influence, cfg.n_layer, rule, circuit, holders)
     q_heads, kv_heads, neurons = [], [], []
     for layer in layers:
-        keep = heads[layer] if copying else None
+        keep = heads[layer]
         q, kv = select_heads(calib.head_energy[layer], donor.cfg.n_kv_head, cfg.n_head, cfg.n_kv_head, keep)
         q_heads.append(q)
         kv_heads.append(kv)
