@@ -90,13 +90,8 @@ def earlier_in_window(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     it, i.e. whether copying from the context could predict it (what induction heads do)."""
     n = (len(tokens) - 1) // seq_len
     x, y = tokens[: n * seq_len].reshape(n, seq_len), tokens[1 : n * seq_len + 1].reshape(n, seq_len)
-    out = np.zeros((n, seq_len), dtype=bool)
-    for w in range(n):
-        first: dict[int, int] = {}
-        for i, t in enumerate(x[w]):
-            first.setdefault(int(t), i)
-        out[w] = [first.get(int(t), seq_len) <= i for i, t in enumerate(y[w])]
-    return out
+    upto = np.tri(seq_len, dtype=bool)  # [i, j]: input j is at or before position i
+    return ((y[:, :, None] == x[:, None, :]) & upto).any(-1)
 
 
 if __name__ == "__main__":
