@@ -12,6 +12,11 @@ writes, in OUT_DIR (the packages' files are unpacked under OUT_DIR/debs, nothing
   config and shell examples), one document per file; `data=dir data.glob='*.txt'`.
 - `perl-doc/`: Debian's `perl-doc`, Perl's documentation as POD (prose with Perl code), one document
   per file; `data=dir data.glob='*.pod'`.
+- `manpages/`: Debian's `manpages-dev`, the Linux system calls and C library pages (sections 2 and 3,
+  C synopses and example programs), each rendered to plain text by `man` at 80 columns, unjustified and
+  unhyphenated; aliases (symlinks) skipped; `data=dir`.
+- `django-doc/`: Django's documentation from its source release on PyPI (`pip download`), reST
+  prose with Python code blocks, release notes left out; one document per file; `data=dir`.
 
 Each file's size and document count are printed; `benchmarks/donor_gap.py` takes them as `name=path`.
 """
@@ -19,12 +24,15 @@ Each file's size and document count are printed; `benchmarks/donor_gap.py` takes
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
-PACKAGES = ("fortunes", "fortunes-min", "dict-foldoc", "git-doc", "perl-doc")
+PACKAGES = ("fortunes", "fortunes-min", "dict-foldoc", "git-doc", "perl-doc", "manpages-dev")
+DJANGO = "5.1.4"  # the source release whose docs/ is the django-doc corpus
 
 
 def unpack(out: Path) -> Path:
@@ -78,6 +86,38 @@ def folder(files: list[Path], dest: Path) -> int:
     return len(files)
 
 
+def manpages(root: Path, dest: Path) -> int:
+    """Each page as `man` prints it to a pipe (plain text); the same width and settings on any terminal."""
+    dest.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "MANWIDTH": "80", "MAN_KEEP_FORMATTING": ""}
+    pages = [p for s in ("man2", "man3") for p in sorted((root / "usr/share/man" / s).glob("*.gz"))]
+    # an alias (symlink) names a page kept under its own name; perl-doc puts its modules in man3 as .3perl
+    pages = [p for p in pages if not p.is_symlink() and not p.name.endswith("perl.gz")]
+    for page in pages:
+        text = subprocess.run(["man", "--nj", "--nh", "-l", str(page)], env=env, check=True,
+                              capture_output=True, text=True).stdout
+        (dest / f"{page.name.removesuffix('.gz')}.txt").write_text(text)
+    return len(pages)
+
+
+def django_doc(out: Path, dest: Path) -> int:
+    """docs/**/*.txt of Django's sdist, one file per document named by its path; release notes left out."""
+    src = out / "debs" / "django"
+    src.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"django=={DJANGO}", "-d", str(src)], check=True, capture_output=True)
+    with tarfile.open(next(src.glob("*.tar.gz"))) as tar:
+        tar.extractall(src, filter="data")
+    docs = src / f"django-{DJANGO}" / "docs"
+    if not docs.exists():  # the sdist's top folder is spelt Django-<version>
+        docs = src / f"Django-{DJANGO}" / "docs"
+    files = [f for f in sorted(docs.rglob("*.txt")) if f.relative_to(docs).parts[0] != "releases"]
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, dest / "_".join(f.relative_to(docs).parts))
+    return len(files)
+
+
 def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python benchmarks/corpora.py OUT_DIR")
@@ -88,6 +128,8 @@ def main() -> None:
         "foldoc.txt": foldoc(root, out),
         "git-doc": folder(sorted((root / "usr/share/doc/git-doc").glob("*.txt")), out / "git-doc"),
         "perl-doc": folder(sorted(root.glob("usr/share/perl/*/pod/*.pod")), out / "perl-doc"),
+        "manpages": manpages(root, out / "manpages"),
+        "django-doc": django_doc(out, out / "django-doc"),
     }
     for name, n in counts.items():
         path = out / name
