@@ -94,24 +94,25 @@ def manpages(root: Path, dest: Path) -> int:
     # an alias (symlink) names a page kept under its own name; perl-doc puts its modules in man3 as .3perl
     pages = [p for p in pages if not p.is_symlink() and not p.name.endswith("perl.gz")]
     for page in pages:
-        text = subprocess.run(["man", "--nj", "--nh", "-l", str(page)], env=env, check=True,
-                              capture_output=True, text=True).stdout
+        text = subprocess.run(
+            ["man", "--nj", "--nh", "-l", str(page)], env=env, check=True, capture_output=True, text=True
+        ).stdout
         (dest / f"{page.name.removesuffix('.gz')}.txt").write_text(text)
     return len(pages)
 
 
 def django_doc(out: Path, dest: Path) -> int:
-    """docs/**/*.txt of Django's sdist, one file per document named by its path; release notes left out."""
+    """docs/**/*.txt of Django's sdist, one file per document named by its path; release notes and the
+    HTML theme's licence file left out."""
     src = out / "debs" / "django"
     src.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"django=={DJANGO}", "-d", str(src)], check=True, capture_output=True)
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"django=={DJANGO}"]
+    subprocess.run([*pip, "-d", str(src)], check=True, capture_output=True)
     with tarfile.open(next(src.glob("*.tar.gz"))) as tar:
         tar.extractall(src, filter="data")
-    docs = src / f"django-{DJANGO}" / "docs"
-    if not docs.exists():  # the sdist's top folder is spelt Django-<version>
-        docs = src / f"Django-{DJANGO}" / "docs"
-    files = [f for f in sorted(docs.rglob("*.txt")) if f.relative_to(docs).parts[0] != "releases"]
+    docs = next(src.glob(f"[Dd]jango-{DJANGO}/docs"))  # the sdist's top folder: Django-<version> or django-
+    skip = ("releases", "_theme")
+    files = [f for f in sorted(docs.rglob("*.txt")) if f.relative_to(docs).parts[0] not in skip]
     dest.mkdir(parents=True, exist_ok=True)
     for f in files:
         shutil.copyfile(f, dest / "_".join(f.relative_to(docs).parts))
