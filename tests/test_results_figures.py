@@ -42,6 +42,8 @@ CASES = {
     "qat_imatrix_full_finetune.json": ("qat_imatrix", lambda m, d: m.figures(d["f32_val_loss"], d["rows"])),
     "donor_transfer.json": ("donor_transfer", lambda m, d: m.figures(d["results"])),
     "donor_gap.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
+    "donor_gap_2026-12-02_manuals.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
+    "donor_gap_2026-12-02_pydoc.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),
