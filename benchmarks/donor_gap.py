@@ -4,7 +4,7 @@
 
 Run from the project root after `make setup`. For each corpus (`pydoc`, the built-in default, or
 `name=path`: a text file read with `data=text`, a folder with `data=dir` (every file in it), a
-`.jsonl` with `data=jsonl`; `benchmarks/corpora.py` builds fortunes, FOLDOC, git-doc and perl-doc)
+`.jsonl` with `data=jsonl`; `benchmarks/corpora.py` builds fortunes, FOLDOC, git-doc, perl-doc, manpages and django-doc)
 it runs two `dvc exp run`s in this workspace, through every real stage:
 
 - default: the default config, nothing else set (`recipe=subclone`)
