@@ -44,6 +44,7 @@ CASES = {
     "donor_gap.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "donor_gap_2026-12-02_manuals.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "donor_gap_2026-12-02_pydoc.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
+    "donor_gap_2026-12-02_fortunes_floor03.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "donor_gap_2026-12-02_manuals_circuit.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "lmeval_speed.json": (
         "lmeval_speed",
