@@ -89,7 +89,8 @@ def folder(files: list[Path], dest: Path) -> int:
 def manpages(root: Path, dest: Path) -> int:
     """Each page as `man` prints it to a pipe (plain text); the same width and settings on any terminal."""
     dest.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MANWIDTH": "80", "MAN_KEEP_FORMATTING": ""}
+    # 80 columns; no MAN_KEEP_FORMATTING, so man strips bold and underline for a pipe
+    env = {**{k: v for k, v in os.environ.items() if k != "MAN_KEEP_FORMATTING"}, "MANWIDTH": "80"}
     pages = [p for s in ("man2", "man3") for p in sorted((root / "usr/share/man" / s).glob("*.gz"))]
     # an alias (symlink) names a page kept under its own name; perl-doc puts its modules in man3 as .3perl
     pages = [p for p in pages if not p.is_symlink() and not p.name.endswith("perl.gz")]

@@ -42,10 +42,10 @@ CASES = {
     "qat_imatrix_full_finetune.json": ("qat_imatrix", lambda m, d: m.figures(d["f32_val_loss"], d["rows"])),
     "donor_transfer.json": ("donor_transfer", lambda m, d: m.figures(d["results"])),
     "donor_gap.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
-    "donor_gap_2026-12-02_manuals.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
-    "donor_gap_2026-12-02_pydoc.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
-    "donor_gap_2026-12-02_fortunes_floor03.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
-    "donor_gap_2026-12-02_manuals_circuit.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
+    **{
+        f"donor_gap_2026-12-02_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
+        for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03")
+    },
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),
