@@ -19,7 +19,7 @@ script instead of running it again, where that file has one (valid while the stu
 from-scratch recipe are the same as then; the files' names are recorded); `--default-from NAME=FILE`
 takes NAME's default run from FILE the same way (while the default config and code are the same).
 A run where DVC restores a stage from its run cache, or train resumes from a checkpoint, fails: its time
-is not a cold one.
+is not a cold one (a workspace whose `checkpoints/` holds any run is refused before the first).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness import read_metrics, timed_exp_run, write_results
+from harness import read_metrics, refuse_warm_checkpoints, timed_exp_run, write_results
 
 from stages._malloc import malloc_env
 
@@ -116,6 +116,7 @@ def main() -> None:
         "--default-from", action="append", default=[], help="NAME=FILE: reuse that file's default run of NAME"
     )
     args = parser.parse_args()
+    refuse_warm_checkpoints()
     earlier = {c: r for f in args.scratch_from for c, r in json.loads(f.read_text())["data"]["results"].items()}
     defaults = {
         name: json.loads(Path(f).read_text())["data"]["results"][name]["default"]

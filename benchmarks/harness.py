@@ -85,6 +85,17 @@ NOT_COLD = (
 )
 
 
+def refuse_warm_checkpoints() -> None:
+    """Fail before the first cold run, not minutes into it at the train stage, where this workspace's
+    `checkpoints/` (train.checkpoint_dir) already holds a run that train would resume."""
+    held = sorted(p.name for p in (ROOT / "checkpoints").glob("*") if p.is_dir())
+    if held:
+        sys.exit(
+            f"{ROOT / 'checkpoints'}: expected no runs for a cold one, found {len(held)} ({held[0]}...): "
+            "remove it (train.checkpoint_dir) in this workspace, or use a fresh clone"
+        )
+
+
 def timed_exp_run(args: list[str], overrides: list[str]) -> tuple[float, dict[str, float]]:
     """`exp_run`, its output read as it comes: the wall seconds and each stage's, from the moment DVC
     says "Running stage" to the next (a stage it skips takes no time)."""

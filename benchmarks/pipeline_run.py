@@ -15,7 +15,7 @@ import argparse
 import os
 from pathlib import Path
 
-from harness import read_metrics, timed_exp_run, write_results
+from harness import read_metrics, refuse_warm_checkpoints, timed_exp_run, write_results
 
 from stages._malloc import malloc_env
 
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("-S", dest="overrides", action="append", default=[], help="one override (key=value)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    refuse_warm_checkpoints()
     load = os.getloadavg()[0]
     wall, stages = timed_exp_run(["--force", "-n", args.name], args.overrides)
     metrics = {}

@@ -60,3 +60,12 @@ def test_a_results_files_figures_are_its_scripts_reading_of_its_data(bench, name
     computed = compute(bench(module), record.get("data", record))  # harness files keep the rows under "data"
     wrong = {k: (v, record["figures"].get(k)) for k, v in computed.items() if record["figures"].get(k) != v}
     assert computed and not wrong, f"{name}: figure, computed from the data, in the file: {wrong}"
+
+
+def test_a_cold_benchmark_refuses_a_workspace_holding_checkpoints_before_it_runs(bench, tmp_path, monkeypatch) -> None:
+    harness = bench("harness")
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
+    harness.refuse_warm_checkpoints()  # no checkpoints/ at all: nothing to resume
+    (tmp_path / "checkpoints" / "2f2ca88de0476c24").mkdir(parents=True)
+    with pytest.raises(SystemExit, match=r"checkpoints: expected no runs for a cold one, found 1 .*remove it"):
+        harness.refuse_warm_checkpoints()
