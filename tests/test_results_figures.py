@@ -44,7 +44,7 @@ CASES = {
     "donor_gap.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     **{
         f"donor_gap_2026-12-02_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
-        for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03")
+        for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03", "retime")
     },
     "lmeval_speed.json": (
         "lmeval_speed",
