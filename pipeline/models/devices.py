@@ -10,6 +10,7 @@ tables this way, so a CUDA step never waits for the previous one.
 from __future__ import annotations
 
 import logging
+import time
 from functools import cache
 
 import torch
@@ -31,10 +32,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+BF16_MIN_SPEEDUP = 1.2  # bf16 rounds more than fp32: on a CPU it has to buy clearly more speed to be picked
+PROBE_MKN = (1024, 384, 1024)  # the default model's FFN matmul over one 8 x 128 batch: 0.8 GFLOP
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls run at speed on `device`. A CPU needs bf16 instructions (AVX512-BF16, AMX, an
-    Arm core's BF16): on an AVX2-only CPU torch's bf16 matmul takes a slow path, 31x fp32's time for the
-    default model's training step on a 2-core EPYC (docs/training.md, "Precision")."""
+    Arm core's BF16: on an AVX2-only CPU torch's bf16 matmul takes a slow path, 31x fp32's time for the
+    default's training step) and a bf16 matmul measured faster than an fp32 one (`cpu_bf16_speedup`)."""
     if device.type == "cuda":  # emulated bf16 (before sm80) is no faster than fp32
         try:
             return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -42,8 +47,43 @@ def native_bf16(device: torch.device) -> bool:
             return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return True
+    return cpu_bf16_instructions() and cpu_bf16_speedup() >= BF16_MIN_SPEEDUP
+
+
+def cpu_bf16_instructions() -> bool:
+    """What `torch.cpu.get_capabilities()` reports: any bf16 instruction set."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return any(on is True and "bf16" in name for name, on in caps.items())
+
+
+@cache
+def cpu_bf16_speedup() -> float:
+    """fp32's time over bf16's for one matmul of `PROBE_MKN` (best of 5 each; ~50 ms, once per process).
+    The instructions are not enough: a 2-core Intel Xeon reporting AVX512-BF16 without AMX ran the
+    default's training step 1.70x slower in bf16 than in fp32 (docs/training.md, "Precision")."""
+    m, k, n = PROBE_MKN
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # the first call sets up the kernel
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+        best[dtype] = min(times)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def slow_bf16_reason(kind: str) -> str:
+    """Why bf16 is not native on a device of type `kind`, for a log line."""
+    if kind != "cpu":
+        return "no bf16 support"
+    if not cpu_bf16_instructions():
+        return "no bf16 instructions"
+    return f"a bf16 matmul measured {cpu_bf16_speedup():.2f}x fp32's speed, under {BF16_MIN_SPEEDUP}x"
 
 
 def resolve_precision(precision: str, device: torch.device, key: str = "train.precision") -> str:
@@ -60,8 +100,8 @@ def resolve_precision(precision: str, device: torch.device, key: str = "train.pr
 def _warn_slow_bf16(key: str, kind: str) -> None:
     """Once per process: the train stage and its loop both resolve the setting."""
     log.warning(
-        f"{key}=bf16 on a {kind} without bf16 instructions: its matmuls run many times slower than fp32 "
-        f"here; {key}=auto picks fp32 on this machine"
+        f"{key}=bf16 on a {kind} where bf16 is slow ({slow_bf16_reason(kind)}): its matmuls run slower "
+        f"than fp32 here; {key}=auto picks fp32 on this machine"
     )
 
 

@@ -21,7 +21,7 @@ from pipeline.finetune.model import prepare_training
 from pipeline.gguf.imatrix_format import Imatrix, write_imatrix
 from pipeline.io.files import atomic_dir
 from pipeline.modeldir import CONFIG_FILE, TrainState, is_finetune_dir, load_model_dir, read_spec, save_model_dir
-from pipeline.models.devices import pick_device, resolve_precision
+from pipeline.models.devices import pick_device, resolve_precision, slow_bf16_reason
 from pipeline.models.ops.head_rows import HeadVocab, corpus_vocabulary, wants_corpus_vocab, whole_vocabulary
 from pipeline.training import distributed as dist
 from pipeline.training.batches import steps_for_epochs
@@ -47,7 +47,7 @@ def with_precision(tcfg: TrainConfig) -> TrainConfig:
     device = pick_device(tcfg.device)
     ran = resolve_precision(tcfg.precision, device)
     if tcfg.precision == "auto":
-        why = "" if ran == "bf16" else " (no bf16 instructions)"
+        why = "" if ran == "bf16" else f" ({slow_bf16_reason(device.type)})"
         log.info(f"train: precision auto = {ran} on this {device.type}{why}")
     return replace(tcfg, precision=ran)
 
