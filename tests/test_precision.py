@@ -38,7 +38,9 @@ def cpu_caps(monkeypatch: pytest.MonkeyPatch):
     ("caps", "speedup", "want"),
     [(AVX2, 3.0, "fp32"), (ZEN4, 4.5, "bf16"), (SAPPHIRE, 3.0, "bf16"), (ZEN4, 0.7, "fp32"), (ZEN4, 1.1, "fp32")],
 )
-def test_auto_is_bf16_only_with_bf16_instructions_that_are_faster(cpu_caps, caps: dict, speedup: float, want: str) -> None:
+def test_auto_is_bf16_only_with_bf16_instructions_that_are_faster(
+    cpu_caps, caps: dict, speedup: float, want: str
+) -> None:
     cpu_caps(caps, speedup)
     assert native_bf16(CPU) is (want == "bf16")
     assert resolve_precision("auto", CPU) == want
