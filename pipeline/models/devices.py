@@ -58,7 +58,7 @@ def cpu_bf16_instructions() -> bool:
 
 @cache
 def cpu_bf16_speedup() -> float:
-    """fp32's time over bf16's for one matmul of `PROBE_MKN` (best of 5 each; ~50 ms, once per process).
+    """fp32's time over bf16's for one matmul of `PROBE_MKN` (best of 5 each; ~0.1 s, once per process).
     The instructions are not enough: a 2-core Intel Xeon reporting AVX512-BF16 without AMX ran the
     default's training step 1.70x slower in bf16 than in fp32 (docs/training.md, "Precision")."""
     m, k, n = PROBE_MKN
