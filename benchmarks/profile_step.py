@@ -10,7 +10,7 @@ any profiler range: the loop has no per-step callback). Exactly one profiled ste
 figures (one wait, by design); no other step may wait. Printed compactly (read from a 12,000-character tail):
 step time, tok/s, MFU; host waits per step and where they come from; kernels per step and GPU idle (CUDA); time
 by category (CATEGORIES: the first pattern the lower-cased name matches); the top kernels by GPU time (CUDA) or
-ops by self CPU time. `--out` gets the summary as JSON.
+ops by self CPU time. `--out` (default: $OUT, else a temp folder) gets the summary as JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -364,6 +365,12 @@ def save(s: dict[str, Any], window: Window, args: argparse.Namespace, shape: Sha
     print(f"summary: {out / name}")
 
 
+def default_out() -> str:
+    """Where a summary goes unless --out or $OUT says: never benchmarks/results/, whose files each
+    carry the conditions of one dated run (a profile on another machine overwrote them)."""
+    return str(Path(tempfile.gettempdir()) / "profile_step")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="135m", help="135m, tiny, tiny-default, small or smoke (gpu_common)")
@@ -379,7 +386,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help=f"MFU denominator (CUDA default {H100_BF16_TFLOPS:.0f})")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--trace", help="write a chrome trace here (.gz: gzipped; gzipped anyway above 16 MiB)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or default_out(),
+        help="the summary's folder ($OUT, else a folder under the temp dir: a committed results file is"
+        " replaced only when named here, with its date and machine beside it)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be at least 1")

@@ -6,9 +6,12 @@ and an explicit bf16 where it is slow kept but said once."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from pipeline.config import TrainConfig
 from pipeline.models import devices
@@ -82,3 +85,28 @@ def test_the_probe_measures_a_real_matmul_once_per_process() -> None:
     first = devices.cpu_bf16_speedup()
     assert 0.01 < first < 100  # a ratio of two measured times, not a constant
     assert devices.cpu_bf16_speedup() == first  # cached: every stage of a process sees one decision
+
+
+def _rank_precision(rank: int, port: int, speedups: tuple[float, float], results) -> None:
+    """One torchrun-like rank: its own probe's figure, then the train stage's `with_precision`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(LOCAL_RANK=str(rank))
+    torch.cpu.get_capabilities = lambda: ZEN4
+    devices.cpu_bf16_speedup = lambda: speedups[rank]
+    try:
+        results[rank] = with_precision(TrainConfig(precision="auto", device="cpu")).precision
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(("speedups", "want"), [((1.25, 1.15), "fp32"), ((3.0, 4.0), "bf16")])
+def test_torchrun_ranks_agree_on_auto_precision(speedups: tuple[float, float], want: str) -> None:
+    """A CPU whose bf16 ratio sits near the threshold could split the ranks of one job between bf16 and
+    fp32: they agree, bf16 only where every rank measured it fast."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_rank_precision, args=(port, speedups, results), nprocs=2, join=True)
+    assert dict(results) == {0: want, 1: want}

@@ -132,3 +132,15 @@ def test_every_named_shape_builds_a_model_with_a_rope_base(profile_step: ModuleT
     shapes = importlib.import_module("gpu_common").named_shapes()  # the fixture put benchmarks/ on the path
     assert shapes["default"].rope_theta == shapes["135m"].rope_theta > 0
     assert all(shape.config().rope_theta > 0 for shape in shapes.values())
+
+
+def test_profile_step_never_writes_the_committed_results_by_default(
+    profile_step: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile on another machine overwrote benchmarks/results/profile_default_cpu.json; only an
+    explicit --out (or $OUT) may name that folder now."""
+    monkeypatch.delenv("OUT", raising=False)
+    out = Path(profile_step.parse_args(["--device", "cpu"]).out).resolve()
+    assert not out.is_relative_to(ROOT / "benchmarks" / "results")
+    monkeypatch.setenv("OUT", str(ROOT / "benchmarks" / "results"))
+    assert Path(profile_step.parse_args(["--device", "cpu"]).out) == ROOT / "benchmarks" / "results"

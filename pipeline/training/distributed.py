@@ -136,6 +136,15 @@ def check_same(value: int, what: str, info: DistInfo, device: torch.device) -> N
         )
 
 
+def all_agree(flag: bool, info: DistInfo, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (itself in a single process)."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t[0])
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         torch.distributed.barrier()

@@ -45,9 +45,16 @@ def with_precision(tcfg: TrainConfig) -> TrainConfig:
     """`train.precision=auto` made bf16 or fp32 for this machine's device, so that the checkpoints' key,
     the loop and the teacher agree on what ran."""
     device = pick_device(tcfg.device)
-    ran = resolve_precision(tcfg.precision, device)
+    mine = ran = resolve_precision(tcfg.precision, device)
+    info = dist.env_info()
+    if tcfg.precision == "auto" and info.enabled and device.type == "cpu":
+        # each rank timed bf16 on its own: where the ratio sits near the threshold they could split, and
+        # ranks training in different precisions drift apart; bf16 only where every rank picked it
+        dist.setup(device)
+        ran = "bf16" if dist.all_agree(mine == "bf16", info, device) else "fp32"
     if tcfg.precision == "auto":
-        why = "" if ran == "bf16" else f" ({slow_bf16_reason(device.type)})"
+        slow = "another rank found bf16 slow" if mine == "bf16" else slow_bf16_reason(device.type)
+        why = "" if ran == "bf16" else f" ({slow})"
         log.info(f"train: precision auto = {ran} on this {device.type}{why}")
     return replace(tcfg, precision=ran)
 
