@@ -17,6 +17,10 @@ writes, in OUT_DIR (the packages' files are unpacked under OUT_DIR/debs, nothing
   unhyphenated; aliases (symlinks) skipped; `data=dir`.
 - `django-doc/`: Django's documentation from its source release on PyPI (`pip download`), reST
   prose with Python code blocks, release notes left out; one document per file; `data=dir`.
+- `pkg-readmes.jsonl`: the PyPI descriptions (README as METADATA carries it: Markdown or reST prose with
+  install lines and code) of every package installed where this script runs, the project's `.venv`
+  after `make setup` (those of 500 characters or more); one document per package; `data=jsonl`. The
+  package versions go to `pkg-readmes.versions.txt`: another set-up day may install other versions.
 
 Each file's size and document count are printed; `benchmarks/donor_gap.py` takes them as `name=path`.
 """
@@ -24,6 +28,7 @@ Each file's size and document count are printed; `benchmarks/donor_gap.py` takes
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -120,6 +125,22 @@ def django_doc(out: Path, dest: Path) -> int:
     return len(files)
 
 
+def pkg_readmes(out: Path) -> int:
+    """Each installed distribution's METADATA body (after the headers' blank line), in the order of their
+    dist-info folders' paths; the names and versions beside it."""
+    site = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    docs, versions = [], []
+    for meta in sorted(site.glob("*.dist-info/METADATA")):
+        text = meta.read_text(errors="replace")
+        body = text.split("\n\n", 1)[1] if "\n\n" in text else ""
+        if len(body) >= 500:
+            docs.append(json.dumps({"text": body}))
+            versions.append(meta.parent.name.removesuffix(".dist-info"))
+    (out / "pkg-readmes.jsonl").write_text("".join(f"{d}\n" for d in docs))
+    (out / "pkg-readmes.versions.txt").write_text("".join(f"{v}\n" for v in versions))
+    return len(docs)
+
+
 def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python benchmarks/corpora.py OUT_DIR")
@@ -132,6 +153,7 @@ def main() -> None:
         "perl-doc": folder(sorted(root.glob("usr/share/perl/*/pod/*.pod")), out / "perl-doc"),
         "manpages": manpages(root, out / "manpages"),
         "django-doc": django_doc(out, out / "django-doc"),
+        "pkg-readmes.jsonl": pkg_readmes(out),
     }
     for name, n in counts.items():
         path = out / name
