@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def django_doc(out: Path, dest: Path) -> int:
 def pkg_readmes(out: Path) -> int:
     """Each installed distribution's METADATA body (after the headers' blank line), in the order of their
     dist-info folders' paths; the names and versions beside it."""
-    site = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site = Path(sysconfig.get_paths()["purelib"])  # this interpreter's site-packages
     docs, versions = [], []
     for meta in sorted(site.glob("*.dist-info/METADATA")):
         text = meta.read_text(errors="replace")
