@@ -46,6 +46,7 @@ CASES = {
         f"donor_gap_2026-12-02_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
         for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03", "retime")
     },
+    "donor_gap_2026-12-07_pkgreadmes_circuit_avx2.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),
