@@ -143,8 +143,8 @@ def pkg_readmes(out: Path) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python benchmarks/corpora.py OUT_DIR")
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # `--help` is not a folder to fill
+        sys.exit("usage: python benchmarks/corpora.py OUT_DIR (the folder the corpora are written to)")
     out = Path(sys.argv[1]).resolve()
     root = unpack(out)
     counts = {
