@@ -46,7 +46,10 @@ CASES = {
         f"donor_gap_2026-12-02_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
         for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03", "retime")
     },
-    "donor_gap_2026-12-07_pkgreadmes_circuit_avx2.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
+    **{
+        f"donor_gap_2026-12-07_pkgreadmes_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
+        for run in ("circuit_avx2", "bf16", "headfit16k_bf16")
+    },
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),
