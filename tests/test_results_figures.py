@@ -47,10 +47,16 @@ CASES = {
         for run in ("manuals", "manuals_circuit", "pydoc", "fortunes_floor03", "retime")
     },
     **{
-        f"donor_gap_2026-12-07_pkgreadmes_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
-        for run in ("circuit_avx2", "bf16", "headfit16k_bf16", "circuit_headfit16k_bf16", "steps1440_bf16")
+        f"donor_gap_2026-12-07_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
+        for run in (
+            "pkgreadmes_circuit_avx2",
+            "pkgreadmes_bf16",
+            "pkgreadmes_headfit16k_bf16",
+            "pkgreadmes_circuit_headfit16k_bf16",
+            "pkgreadmes_steps1440_bf16",
+            "pydoc_bf16",
+        )
     },
-    "donor_gap_2026-12-07_pydoc_bf16.json": ("donor_gap", lambda m, d: m.figures(d["results"])),
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),
