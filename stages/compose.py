@@ -12,9 +12,12 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """Compose `conf/config.yaml` with overrides, as DVC's Hydra integration does."""
+    """Compose `conf/config.yaml` with overrides and resolve it, as DVC's Hydra integration does (the
+    subclone groups read the donor group's `donor.student`: params.yaml holds the values)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides or [])
+        cfg = compose(config_name="config", overrides=overrides or [])
+    OmegaConf.resolve(cfg)
+    return cfg
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.data.packed import load_meta
+from pipeline.data.packed import load_meta, train_tokens
 from pipeline.donor.calibrate import run_calibration
 from pipeline.donor.pca import run_donor
 from pipeline.io.files import atomic_dir, write_json, write_text
@@ -68,7 +68,7 @@ def write_plot(ctx: StageContext, ratios: np.ndarray) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> None:
-    run_stage("donor", cfg, body)
+    run_stage("donor", cfg, body, train_tokens=train_tokens)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
+from pipeline.data.packed import train_tokens
 from pipeline.init.realize import run_realize
 from stages._run.exits import entry
 from stages._run.lifecycle import CONFIG_NAME, CONFIG_PATH, StageContext, run_stage
@@ -63,7 +64,7 @@ def body(ctx: StageContext) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg: DictConfig) -> None:
-    run_stage("realize", cfg, body)
+    run_stage("realize", cfg, body, train_tokens=train_tokens)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from pipeline.config import PipelineConfig
-from pipeline.data.packed import load_meta
+from pipeline.data.packed import load_meta, train_tokens
 from pipeline.export.corpus_imatrix import imatrix_source
 from pipeline.io.files import write_text
 from pipeline.modeldir import weight_files
@@ -208,7 +208,7 @@ def prepared(cfg: DictConfig) -> tuple[Stage, CheckpointPlan]:
     """The stage checked and its checkpoint plan made, before its MLflow run opens: `train.epochs` becomes
     a step count once (the plan and the loop both use it), `train.precision=auto` bf16 or fp32 for this
     machine, and a resumed run's MLflow run is known."""
-    stage = Stage("train", cfg, lineage)
+    stage = Stage("train", cfg, lineage, train_tokens)
     stage.cfg.train = stage.prepare(sized, stage.cfg.train, stage.paths.packed)
     stage.cfg.train = stage.prepare(with_precision, stage.cfg.train)
     return stage, stage.prepare(checkpoint_plan, stage.cfg, stage.paths)

@@ -25,7 +25,34 @@ def test_default_composition_is_valid() -> None:
     cfg = typed_config(compose_config())
     assert isinstance(cfg, PipelineConfig)
     assert cfg.recipe.init == "subclone" and cfg.recipe.name == "subclone" and cfg.model.d_model == 384
-    assert cfg.model.n_layer == 12 and cfg.train.distill.weight == 0.0 and cfg.optim.table_lr_scale == 0.0
+    assert cfg.model.n_layer == 0 and cfg.train.distill.weight == 0.0 and cfg.optim.table_lr_scale == 0.0
+    assert (cfg.optim.lr, cfg.train.steps, cfg.train.eval_every) == (0, 0, 0)  # the donor's cut, once packed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tokens", "want"),
+    [
+        ([], 105_757, ("shallow", 12, 0.001, 720, 360)),  # pydoc: 440 steps would read it 4.3 times
+        ([], 629_295, ("deep", 24, 0.00025, 440, 220)),  # fortunes: 0.72 times
+        (["donor=gemma3-270m"], 2_000_000, ("deep", 12, 0.001, 720, 360)),  # Gemma: 12 of its 18 layers
+        (["model.n_layer=18", "train.steps=500"], 629_295, ("deep", 18, 0.00025, 500, 220)),  # set keys stay
+        (["donor.student.max_passes=10"], 105_757, ("deep", 24, 0.00025, 440, 220)),
+    ],
+)
+def test_the_donor_group_sizes_the_cut_to_the_corpus(overrides: list[str], tokens: int, want: tuple) -> None:
+    from pipeline.config.student import with_student_cut
+
+    cut, name = with_student_cut(typed_config(compose_config(overrides)), tokens)
+    assert (name, cut.model.n_layer, cut.optim.lr, cut.train.steps, cut.train.eval_every) == want
+
+
+def test_a_from_scratch_run_keeps_its_own_rate_and_steps_and_the_cuts_shape() -> None:
+    from pipeline.config.student import with_student_cut
+
+    scratch, _ = with_student_cut(typed_config(compose_config(["recipe=from-scratch", "optim=adamw"])), 629_295)
+    assert (scratch.model.n_layer, scratch.optim.lr, scratch.train.steps) == (24, 0.003, 300)
+    with pytest.raises(ConfigError, match="donor.student.deep.steps"):
+        typed_config(compose_config(["donor.student.deep.steps=0"]))
 
 
 def test_params_yaml_equals_fresh_composition() -> None:
@@ -48,7 +75,9 @@ def test_the_schema_defaults_are_the_default_groups(group: str, schema: type) ->
     defaults = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["defaults"]
     (choice,) = [d[group] for d in defaults if isinstance(d, dict) and group in d]
     spelled = yaml.safe_load((ROOT / "conf" / group / f"{choice}.yaml").read_text())
-    assert asdict(schema()) == spelled, f"conf/{group}/{choice}.yaml and {schema.__name__}'s defaults differ"
+    per_donor = {k for k, v in spelled.items() if k == "lr" and v == 0}  # 0: the donor's cut's (donor.student)
+    expected = {k: v for k, v in asdict(schema()).items() if k not in per_donor}
+    assert expected == {k: v for k, v in spelled.items() if k not in per_donor}, f"conf/{group}/{choice}.yaml differs"
 
 
 @pytest.mark.parametrize(
@@ -56,7 +85,6 @@ def test_the_schema_defaults_are_the_default_groups(group: str, schema: type) ->
     [
         (["model.arch=llama", "model.n_head=7"], "model.n_head"),
         (["model.n_kv_head=4"], "model.n_kv_head"),
-        (["optim.lr=0"], "optim.lr"),
         (["optim.lr=-0.1"], "optim.lr"),
         (["optim.table_lr_scale=-1"], "optim.table_lr_scale"),
         (["train.precision=fp8"], "train.precision"),

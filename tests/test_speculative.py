@@ -116,7 +116,8 @@ def test_preset_draft_composes_and_recipe_draft_refuses_what_cannot_draft() -> N
 
     cfg = typed_config(compose_config(["preset=draft"]))
     assert cfg.recipe.name == "draft" and cfg.recipe.init == "subclone" and cfg.train.distill.weight == 1.0
-    assert cfg.model.n_layer < typed_config(compose_config([])).model.n_layer and cfg.export.dtype == "q8_0"
+    shallowest = typed_config(compose_config([])).donor.student.shallow.n_layer  # the default's, on any corpus
+    assert cfg.model.n_layer < shallowest and cfg.optim.lr == 0.001 and cfg.export.dtype == "q8_0"
     for override, key in (
         ("train.distill.weight=0", "train.distill.weight"),
         ("data=instruct", "data.source"),

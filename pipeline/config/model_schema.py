@@ -40,7 +40,7 @@ class ModelConfig:
 
     arch: str = "llama"
     d_model: int = 192
-    n_layer: int = 4
+    n_layer: int = 4  # 0: the donor's cut for the corpus (donor.student; pipeline.config.student)
     n_head: int = 6
     n_kv_head: int = 2
     d_ff: int = 512
@@ -61,7 +61,8 @@ class ModelConfig:
         integer(self.patch_size, "model.patch_size", 1, "set model.patch_size=4")
         integer(self.n_classes, "model.n_classes", 2, "set model.n_classes to the number of classes in the data")
         check(0.0 <= self.dropout < 1.0, "model.dropout", "in [0, 1)", self.dropout, "set model.dropout=0")
-        for key in ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "context_length"):
+        integer(self.n_layer, "model.n_layer", 0, "set model.n_layer=0 (the donor's cut: donor.student) or more")
+        for key in ("d_model", "n_head", "n_kv_head", "d_ff", "context_length"):
             positive(getattr(self, key), f"model.{key}")
         check(
             self.arch == "donor" or self.head_dim or self.d_model % self.n_head == 0,

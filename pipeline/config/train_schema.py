@@ -26,7 +26,7 @@ class OptimConfig:
     (linear warmup, cosine decay to a floor)."""
 
     name: str = "adamw"  # adamw | lbfgs
-    lr: float = 1e-3
+    lr: float = 1e-3  # 0: the donor's cut's, once the corpus is packed (pipeline.config.student)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -41,7 +41,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         choice(self.name, "optim.name", OPTIMIZERS)
-        for key in ("lr", "lbfgs_history", "lbfgs_max_iter", "eps"):
+        at_least(self.lr, "optim.lr", 0, "use e.g. 0.001, or 0 for the donor's cut's (donor.student)")
+        for key in ("lbfgs_history", "lbfgs_max_iter", "eps"):
             positive(getattr(self, key), f"optim.{key}")
         check(0 <= self.beta1 < 1, "optim.beta1", "a value in [0, 1)", self.beta1, "use e.g. 0.9")
         check(0 <= self.beta2 < 1, "optim.beta2", "a value in [0, 1)", self.beta2, "use e.g. 0.95")
@@ -97,7 +98,7 @@ VOCABS = ("auto", "full", "corpus")
 class TrainConfig:
     """The training loop: steps, batch shape, precision, validation cadence."""
 
-    steps: int = 300
+    steps: int = 300  # 0 (and eval_every 0): the donor's cut's (pipeline.config.student)
     batch_size: int = 8
     seq_len: int = 128  # text windows; instruct rows are data.max_seq_len long
     grad_accum: int = 1
@@ -134,7 +135,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         choice(self.vocab, "train.vocab", VOCABS)
         at_least(self.vocab_negatives, "train.vocab_negatives", 0, "use e.g. 8192")
-        for key in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "keep_checkpoints"):
+        for key in ("steps", "eval_every"):  # 0: the donor's cut's (donor.student)
+            at_least(getattr(self, key), f"train.{key}", 0, "use e.g. 100, or 0 for the donor's cut's")
+        for key in ("batch_size", "seq_len", "log_every", "keep_checkpoints"):
             positive(getattr(self, key), f"train.{key}")
         check(self.grad_accum >= 1, "train.grad_accum", "an integer >= 1", self.grad_accum, "use 1 for none")
         choice(self.precision, "train.precision", PRECISIONS)

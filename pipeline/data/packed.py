@@ -165,6 +165,11 @@ def load_rows(path: str | os.PathLike[str]) -> Packed:
     return rows
 
 
+def train_tokens(packed_dir: Path) -> int:
+    """The packed train split's tokens (what sizes the donor's cut: `pipeline.config.student`)."""
+    return load_meta(packed_dir).tokens["train"]
+
+
 def load_meta(packed_dir: Path) -> PackMeta:
     """The packed data's meta, with a named error when the pack stage has not run or its file is corrupt."""
     path = Path(packed_dir) / META_FILE

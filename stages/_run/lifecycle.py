@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from pipeline.errors import PipelineError
 from pipeline.io.files import fingerprint, write_json, write_text
 from pipeline.tracking import Run, project_root
 from stages._run import output
+from stages._run.cut import apply_cut
 from stages._run.exits import config_failed, fail, refuse
 from stages._run.mlflow_runs import open_run, summarize_parent
 from stages._run.overrides import check_overrides
@@ -91,8 +92,14 @@ class Stage:
     """A stage between its checks and its work; see the module docstring for the steps."""
 
     def __init__(
-        self, name: str, cfg: DictConfig, lineage: Callable[[PipelineConfig, Paths], dict[str, str]] | None = None
+        self,
+        name: str,
+        cfg: DictConfig,
+        lineage: Callable[[PipelineConfig, Paths], dict[str, str]] | None = None,
+        train_tokens: Callable[[Path], int] | None = None,
     ):
+        """`train_tokens` (the stages that read the cut's keys): the packed train split's tokens, which
+        size the donor's cut where model.n_layer, optim.lr, train.steps or train.eval_every are 0."""
         self.name, self.raw = name, cfg
         try:
             self.cfg = typed_config(cfg)
@@ -102,6 +109,9 @@ class Stage:
             config_failed(e)
         self.resolved = OmegaConf.to_container(cfg, resolve=True)
         self.paths = Paths.here()
+        if train_tokens is not None:
+            tokens = partial(train_tokens, self.paths.packed)
+            self.cfg, self.resolved = self.prepare(apply_cut, name, self.cfg, self.resolved, tokens)
         self.tags = self.prepare(lineage, self.cfg, self.paths) if lineage is not None else {}
 
     def prepare(self, fn: Callable[..., T], *args: Any) -> T:
@@ -155,10 +165,11 @@ def run_stage(
     cfg: DictConfig,
     body: Callable[[StageContext], dict[str, float]],
     lineage: Callable[[PipelineConfig, Paths], dict[str, str]] | None = None,
+    train_tokens: Callable[[Path], int] | None = None,
 ) -> dict[str, float]:
     """The common case: check (`lineage`: the config against what the stage's inputs were made with,
     returning tags for the run), then run `body`."""
-    return Stage(stage, cfg, lineage).run(body)
+    return Stage(stage, cfg, lineage, train_tokens).run(body)
 
 
 def config_hash(resolved: dict[str, Any]) -> str:
