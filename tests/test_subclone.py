@@ -166,7 +166,7 @@ def test_donor_and_realize_stages_end_to_end(tmp_path: Path, donor) -> None:
     ("change", "needles"),
     [
         (dict(d_model=40, n_head=5), ("model.d_model", "at most the donor's 32", "40")),
-        (dict(n_layer=5), ("model.n_layer", "at most the donor's 4", "5", "donor.student.n_layer=4")),
+        (dict(n_layer=5), ("model.n_layer", "at most the donor's 4", "5", "donor.student.deep.n_layer<=4")),
         (dict(d_ff=64), ("model.d_ff", "48", "64")),
         (dict(d_model=24, n_head=2, n_kv_head=1), ("model.n_head", "head size 8", "24/2 = 12", "n_head=3")),
         (dict(n_kv_head=1), ("model.n_kv_head", "group size 2", "groups of 4")),
