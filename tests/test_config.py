@@ -15,6 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from pipeline.config import OptimConfig, PipelineConfig, TrainConfig
+from pipeline.config.pipeline_schema import with_student_cut
 from pipeline.errors import ConfigError
 from stages._run.typed import typed_config
 from stages.compose import compose_config
@@ -40,15 +41,11 @@ def test_default_composition_is_valid() -> None:
     ],
 )
 def test_the_donor_group_sizes_the_cut_to_the_corpus(overrides: list[str], tokens: int, want: tuple) -> None:
-    from pipeline.config.student import with_student_cut
-
     cut, name = with_student_cut(typed_config(compose_config(overrides)), tokens)
     assert (name, cut.model.n_layer, cut.optim.lr, cut.train.steps, cut.train.eval_every) == want
 
 
 def test_a_from_scratch_run_keeps_its_own_rate_and_steps_and_the_cuts_shape() -> None:
-    from pipeline.config.student import with_student_cut
-
     scratch, _ = with_student_cut(typed_config(compose_config(["recipe=from-scratch", "optim=adamw"])), 629_295)
     assert (scratch.model.n_layer, scratch.optim.lr, scratch.train.steps) == (24, 0.003, 300)
     with pytest.raises(ConfigError, match="donor.student.deep.steps"):

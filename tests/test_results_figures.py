@@ -57,6 +57,10 @@ CASES = {
             "pydoc_bf16",
         )
     },
+    **{
+        f"donor_gap_2026-12-08_deep_{run}.json": ("donor_gap", lambda m, d: m.figures(d["results"]))
+        for run in ("pydoc", "manpages", "foldoc", "djangodoc")
+    },
     "lmeval_speed.json": (
         "lmeval_speed",
         lambda m, d: m.figures(d, {"easy_mc": 0, "arith_mc": 0}, {"smollm-gguf": 0, "hf (transformers)": 0}),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.config.checks import at_least, check, choice, positive
 from pipeline.config.data_schema import DataConfig, DonorConfig
@@ -231,3 +231,24 @@ class PipelineConfig:
         check(
             self.train.distill.weight == 0, "train.distill.weight", "0 for images", self.train.distill.weight, "set 0"
         )
+
+
+CUT_KEYS = ("model.n_layer", "optim.lr", "train.steps", "train.eval_every")  # 0: the donor's cut's
+
+
+def needs_cut(cfg: PipelineConfig) -> list[str]:
+    """The keys at 0 that wait for the corpus's cut."""
+    values = (cfg.model.n_layer, cfg.optim.lr, cfg.train.steps, cfg.train.eval_every)
+    return [key for key, value in zip(CUT_KEYS, values) if value == 0]
+
+
+def with_student_cut(cfg: PipelineConfig, train_tokens: int) -> tuple[PipelineConfig, str]:
+    """`cfg` with its keys at 0 set from the cut for `train_tokens`, and the cut's name ("" if none was)."""
+    if not needs_cut(cfg):
+        return cfg, ""
+    t = cfg.train
+    name, cut = cfg.donor.student.pick(train_tokens, t.batch_size * t.seq_len * t.grad_accum)
+    model = replace(cfg.model, n_layer=cfg.model.n_layer or cut.n_layer)
+    optim = replace(cfg.optim, lr=cfg.optim.lr or cut.lr)
+    train = replace(t, steps=t.steps or cut.steps, eval_every=t.eval_every or cut.eval_every)
+    return replace(cfg, model=model, optim=optim, train=train), name

@@ -285,7 +285,7 @@ def check_student(cfg: TransformerConfig, donor: TransformerConfig) -> None:
     )
     for key in ("d_model", "n_layer", "d_ff"):
         found, limit = getattr(cfg, key), getattr(donor, key)
-        also = f" (its 0 takes donor.student's cut: or set donor.student.deep.n_layer<={limit})" if key == "n_layer" else ""
+        also = f" (0 takes donor.student's cut: or set donor.student.deep.n_layer<={limit})" if key == "n_layer" else ""
         check(found <= limit, f"model.{key}", f"at most the donor's {limit}", found, f"set model.{key}<={limit}{also}")
     hd = donor.head_dim
     check(

@@ -1,6 +1,7 @@
-"""The donor's cut for the packed corpus (`pipeline.config.student`) set in the config keys left at 0,
-before a stage checks or reads them: the typed config every later step sees, and the resolved one that
-MLflow logs and the run's hash covers, both hold the values the run used."""
+"""The donor's cut for the packed corpus (`pipeline.config.student`) set in the config keys left at 0
+(`pipeline.config.pipeline_schema.with_student_cut`), before a stage checks or reads them: the typed
+config every later step sees, and the resolved one that MLflow logs and the run's hash covers, both
+hold the values the run used."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.config import PipelineConfig
-from pipeline.config.student import needs_cut, with_student_cut
+from pipeline.config.pipeline_schema import needs_cut, with_student_cut
 
 log = logging.getLogger(__name__)
 
