@@ -233,13 +233,9 @@ class PipelineConfig:
         )
 
 
-CUT_KEYS = ("model.n_layer", "optim.lr", "train.steps", "train.eval_every")  # 0: the donor's cut's
-
-
-def needs_cut(cfg: PipelineConfig) -> list[str]:
-    """The keys at 0 that wait for the corpus's cut."""
-    values = (cfg.model.n_layer, cfg.optim.lr, cfg.train.steps, cfg.train.eval_every)
-    return [key for key, value in zip(CUT_KEYS, values) if value == 0]
+def needs_cut(cfg: PipelineConfig) -> bool:
+    """Whether model.n_layer, optim.lr, train.steps or train.eval_every waits at 0 for the corpus's cut."""
+    return 0 in (cfg.model.n_layer, cfg.optim.lr, cfg.train.steps, cfg.train.eval_every)
 
 
 def with_student_cut(cfg: PipelineConfig, train_tokens: int) -> tuple[PipelineConfig, str]:
